@@ -1,0 +1,26 @@
+"""Attention masks and RoPE positions for left-padded, variable-length sequences."""
+import jax
+import jax.numpy as jnp
+
+
+def positions_from_valid(valid_BxT: jax.Array) -> jax.Array:
+  """RoPE position of each token: 0 at a sequence's first valid token (left padding is skipped)."""
+  return jnp.maximum(jnp.cumsum(valid_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_mask(valid_BxT: jax.Array) -> jax.Array:
+  """(B, T, T) bool: query t may attend key s iff s <= t and key s is a real token."""
+  t = valid_BxT.shape[-1]
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  return causal_TxT[None] & valid_BxT[:, None, :].astype(bool)
+
+
+def cache_mask(kv_valid_BxS: jax.Array, cache_index: jax.Array, num_queries: int) -> jax.Array:
+  """(B, T, S) bool for T queries written at cache slots cache_index..cache_index+T-1.
+
+  Query t may attend slot s iff s <= cache_index + t and slot s holds a real token.
+  """
+  s = kv_valid_BxS.shape[-1]
+  query_slot_T = cache_index + jnp.arange(num_queries)
+  causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
+  return causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)

@@ -1,0 +1,58 @@
+"""The decoder-only transformer."""
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_batch.model.config import ModelConfig
+from jaxrl_batch.model.kv_cache import KVCache
+from jaxrl_batch.model.layers import Attention, RMSNorm, SwiGLU, fan_in_normal, sharded_param
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.weight_dtype, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.weight_dtype, rngs)
+    self.mlp = SwiGLU(cfg, rngs)
+
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None):
+    h, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache, layer, cache_index)
+    x_BxTxD = x_BxTxD + h
+    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
+
+
+class Transformer(nnx.Module):
+  """Llama/Qwen-style decoder: embed -> L blocks -> RMSNorm -> (tied) output head."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dt = cfg.weight_dtype
+    self.embedding = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.vocab_size, cfg.d_model),
+                                   ("vocab", "embed"), dt)
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dt, rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.d_model, cfg.vocab_size),
+                                   ("embed", "vocab"), dt)
+
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None):
+    """Logits for every position.
+
+    Args:
+      tokens_BxT: int token ids.
+      positions_BxT: RoPE positions (see `masks.positions_from_valid`).
+      mask_BxTxS: bool, query t may attend key s (`masks.causal_mask` without a cache, `masks.cache_mask` with).
+      cache: optional KV cache; the new keys/values are written at slots cache_index..cache_index+T-1.
+      cache_index: int scalar, first cache slot written.
+    Returns:
+      (logits_BxTxV float32, updated cache or None).
+    """
+    dt = self.cfg.compute_dtype
+    x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dt)
+    for layer, block in enumerate(self.blocks):
+      x, cache = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index)
+    x = self.final_norm(x)
+    head_DxV = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    logits = jnp.einsum("btd,dv->btv", x, head_DxV.astype(dt), preferred_element_type=jnp.float32)
+    return logits, cache

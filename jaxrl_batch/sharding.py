@@ -1,0 +1,107 @@
+"""Device mesh and logical-axis sharding: parameters are created already sharded.
+
+Mesh axes are `data`, `fsdp` and `tensor`. Each parameter dimension carries a logical name (`embed`, `mlp`, ...);
+`rules` map logical names to mesh axes, e.g. `(("embed", "fsdp"), ("mlp", "tensor"), ("head_dim", None))`.
+"""
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axis (or tuple of axes, or None for replicated).
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over `devices` (default: all); one axis may be -1 to take the remaining devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = [data, fsdp, tensor]
+  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(shape)}: each size must be positive, and at most one "
+                     "may be -1 (fill with the remaining devices).")
+  if -1 in shape:
+    known = math.prod(s for s in shape if s != -1)
+    if len(devices) % known:
+      raise ValueError(f"Cannot fill mesh {tuple(shape)} with {len(devices)} devices: {len(devices)} is not a "
+                       f"multiple of {known}.")
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(shape)} needs {math.prod(shape)} devices but "
+                     f"{len(devices)} are available; set config.mesh so the product equals the device count "
+                     "(or use -1 for one axis).")
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], rules, mesh: Mesh) -> P:
+  """PartitionSpec for one array. A mesh axis is dropped where it does not divide the dimension or is taken."""
+  table = dict(rules)
+  used, spec = set(), []
+  for name, dim in zip(names, shape, strict=True):
+    if name is None:
+      spec.append(None)
+      continue
+    if name not in table:
+      raise ValueError(f"No sharding rule for logical axis {name!r}; add it to config.sharding_rules "
+                       f"(known: {sorted(table)}).")
+    target = table[name]
+    axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    kept = []
+    for axis in axes:
+      size = mesh.shape[axis]
+      if axis not in used and dim % (size * math.prod(mesh.shape[a] for a in kept)) == 0:
+        kept.append(axis)
+    used.update(kept)
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return P(*spec)
+
+
+def _variable_sharding(variable: nnx.Variable, mesh: Mesh, rules) -> NamedSharding:
+  names = variable.get_metadata().get("out_sharding")
+  shape = variable.get_value().shape
+  if names is None:
+    return NamedSharding(mesh, P())
+  return NamedSharding(mesh, logical_to_spec(names, shape, rules, mesh))
+
+
+def create_sharded(module_fn, mesh: Mesh, rules):
+  """Builds `module_fn()` (an nnx.Module factory) with every parameter created directly in its sharding.
+
+  Returns (graphdef, params): params is a plain nested dict of arrays, usable with `nnx.merge(graphdef, params)`.
+  """
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(module_fn)
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = jax.tree.map(lambda v: _variable_sharding(v, mesh, rules), abstract_state,
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def init():
+    with nnx.use_eager_sharding(False):
+      return nnx.to_pure_dict(nnx.state(module_fn()))
+
+  with jax.set_mesh(mesh):
+    params = jax.jit(init, out_shardings=nnx.to_pure_dict(shardings))()
+  return graphdef, params
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Leading (batch) dimension split over data and fsdp; the rest replicated."""
+  return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  """How many ways the batch is split: every batch size must be a multiple of this."""
+  return mesh.shape["data"] * mesh.shape["fsdp"]

@@ -1,0 +1,58 @@
+"""Tests for the batch-size family learning-rate rules."""
+import math
+
+import pytest
+
+from jaxrl_batch import family
+
+
+@pytest.mark.parametrize("rule, batch, expected", [
+    ("none", 512, 2e-4),
+    ("linear", 512, 8e-4),       # 2e-4 * 512/128
+    ("linear", 64, 1e-4),        # 2e-4 * 64/128
+    ("sqrt", 512, 4e-4),         # 2e-4 * sqrt(4)
+    ("sqrt", 256, 2.8284271e-4),  # 2e-4 * 1.41421356
+])
+def test_scale_lr(rule, batch, expected):
+  assert family.scale_lr(2e-4, 128, batch, rule) == pytest.approx(expected, rel=1e-7)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((2e-4, 128, 256, "cubic"), r"Unknown lr rule 'cubic'; use one of \('none', 'linear', 'sqrt'\)"),
+    ((0.0, 128, 256, "sqrt"), "base_lr must be > 0"),
+    ((2e-4, 0, 256, "sqrt"), "base_batch=0"),
+    ((2e-4, 128, -1, "none"), "batch=-1"),
+])
+def test_scale_lr_rejects_bad_arguments(args, match):
+  with pytest.raises(ValueError, match=match):
+    family.scale_lr(*args)
+
+
+def test_derive_lr_from_rule():
+  lr = family.derive_lr(2e-4, 128, 256, "sqrt", lr_override=None)
+  assert lr.lr == pytest.approx(2e-4 * math.sqrt(2))
+  assert not lr.overridden
+  assert lr.describe() == "lr=2.83e-4 (sqrt rule: 2e-4 * sqrt(256/128))"
+
+
+@pytest.mark.parametrize("override", [None, 0.0, -1.0])
+def test_non_positive_override_derives(override):
+  lr = family.derive_lr(2e-4, 128, 512, "linear", lr_override=override)
+  assert (lr.lr, lr.overridden) == (pytest.approx(8e-4), False)
+  assert lr.describe() == "lr=8e-4 (linear rule: 2e-4 * 512/128)"
+
+
+def test_none_rule_describe():
+  lr = family.derive_lr(2e-4, 128, 512, "none", lr_override=None)
+  assert lr.describe() == "lr=2e-4 (none rule: 2e-4 at any batch)"
+
+
+def test_override_wins_and_is_described():
+  lr = family.derive_lr(2e-4, 128, 256, "sqrt", lr_override=1e-3)
+  assert (lr.lr, lr.overridden) == (1e-3, True)
+  assert lr.describe() == "lr=1e-3 (explicit override; the sqrt rule would give 2.83e-4)"
+
+
+def test_override_still_validates_rule():
+  with pytest.raises(ValueError, match="Unknown lr rule 'sqrtt'"):
+    family.derive_lr(2e-4, 128, 256, "sqrtt", lr_override=1e-3)

@@ -1,0 +1,142 @@
+"""Decoder: causality, padding, cache equivalence, GQA attention vs a plain numpy reference, sharding."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_batch import sharding
+from jaxrl_batch.model import KVCache, ModelConfig, Transformer, cache_mask, positions_from_valid, sequence_logits
+from jaxrl_batch.model.layers import apply_rope, attend
+
+CFG = ModelConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
+                  tie_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  return sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+
+
+def _tokens(b, t, seed=0):
+  return jax.random.randint(jax.random.key(seed), (b, t), 0, CFG.vocab_size)
+
+
+def test_attend_matches_numpy_reference():
+  rng = np.random.default_rng(0)
+  b, t, n, k, h = 2, 3, 4, 2, 5
+  q = rng.normal(size=(b, t, n, h)).astype(np.float32)
+  key = rng.normal(size=(b, t, k, h)).astype(np.float32)
+  val = rng.normal(size=(b, t, k, h)).astype(np.float32)
+  mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+  want = np.zeros((b, t, n, h), np.float32)
+  for bi in range(b):
+    for head in range(n):
+      kv = head // (n // k)  # query heads 0,1 share kv head 0; 2,3 share kv head 1
+      s = q[bi, :, head] @ key[bi, :, kv].T / np.sqrt(h)
+      s = np.where(mask[bi], s, -np.inf)
+      p = np.exp(s - s.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      want[bi, :, head] = p @ val[bi, :, kv]
+  np.testing.assert_allclose(attend(q, key, val, mask), want, atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
+  def score(m, n):
+    return float(jnp.sum(apply_rope(q, jnp.array([[m]]), 1e4) * apply_rope(k, jnp.array([[n]]), 1e4)))
+  assert score(7, 3) == pytest.approx(score(14, 10), rel=1e-5)
+  assert score(7, 3) != pytest.approx(score(7, 4), rel=1e-3)
+  # Position 0 is the identity rotation.
+  np.testing.assert_allclose(apply_rope(q, jnp.array([[0]]), 1e4), q, atol=1e-7)
+
+
+def test_causal(model):
+  graphdef, params = model
+  tokens = _tokens(2, 6)
+  valid = jnp.ones((2, 6), bool)
+  changed = tokens.at[:, 4:].set((tokens[:, 4:] + 1) % CFG.vocab_size)
+  a = sequence_logits(graphdef, params, tokens, valid)
+  b = sequence_logits(graphdef, params, changed, valid)
+  np.testing.assert_allclose(a[:, :4], b[:, :4], atol=1e-6)
+  assert not np.allclose(a[:, 4:], b[:, 4:], atol=1e-3)
+
+
+def test_left_padding_does_not_change_logits(model):
+  graphdef, params = model
+  tokens = _tokens(1, 5)
+  padded = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), tokens], axis=1)
+  valid = jnp.arange(8)[None] >= 3
+  plain = sequence_logits(graphdef, params, tokens, jnp.ones((1, 5), bool))
+  shifted = sequence_logits(graphdef, params, padded, valid)
+  np.testing.assert_allclose(shifted[:, 3:], plain, atol=1e-5)
+
+
+def test_cached_decode_equals_full_forward(model):
+  graphdef, params = model
+  b, p, n = 2, 5, 4
+  tokens = _tokens(b, p + n, seed=3)
+  valid = jnp.ones((b, p + n), bool).at[0, :2].set(False)  # row 0 is left-padded by 2
+  full = sequence_logits(graphdef, params, tokens, valid)
+
+  net = nnx.merge(graphdef, params)
+  cache = KVCache.zeros(CFG, b, p + n)
+  positions = positions_from_valid(valid)
+  kv_valid = valid.at[:, p:].set(False)
+  logits, cache = net(tokens[:, :p], positions[:, :p], cache_mask(kv_valid, 0, p), cache, 0)
+  np.testing.assert_allclose(logits[1], full[1, :p], atol=1e-5)
+  np.testing.assert_allclose(logits[0, 2:], full[0, 2:p], atol=1e-5)
+  for i in range(p, p + n):
+    kv_valid = kv_valid.at[:, i].set(True)
+    step_logits, cache = net(tokens[:, i:i + 1], positions[:, i:i + 1], cache_mask(kv_valid, i, 1), cache, i)
+    np.testing.assert_allclose(step_logits[:, 0], full[:, i], atol=1e-5)
+
+
+def test_jit_equals_eager(model):
+  graphdef, params = model
+  tokens, valid = _tokens(2, 4), jnp.ones((2, 4), bool)
+  eager = sequence_logits(graphdef, params, tokens, valid)
+  jitted = jax.jit(sequence_logits, static_argnums=0)(graphdef, params, tokens, valid)
+  np.testing.assert_allclose(eager, jitted, atol=1e-5)
+
+
+def test_num_params_matches_created_tree(model):
+  _, params = model
+  assert sum(x.size for x in jax.tree.leaves(params)) == CFG.num_params()
+
+
+def test_invalid_config_is_refused():
+  with pytest.raises(ValueError, match="multiple of model.num_kv_heads"):
+    ModelConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4, d_ff=8)
+  with pytest.raises(ValueError, match="Unknown model config keys"):
+    ModelConfig.from_config(dict(vocab_size=8, d_model=8, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4,
+                                 d_ff=8, hidden=3))
+
+
+def _loss(graphdef, params, tokens, valid):
+  logits = sequence_logits(graphdef, params, tokens, valid)
+  logp = jax.nn.log_softmax(logits[:, :-1])
+  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  return jnp.sum(nll * valid[:, 1:]) / jnp.sum(valid[:, 1:])
+
+
+def test_eight_device_mesh_gives_same_loss_and_grads():
+  assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices"
+  tokens = _tokens(8, 6, seed=5)
+  valid = jnp.ones((8, 6), bool).at[::2, :2].set(False)
+  results = []
+  for mesh in (sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]), sharding.make_mesh(2, 2, 2)):
+    graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+    batch = jax.device_put((tokens, valid), sharding.batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+      loss, grads = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)(graphdef, params, *batch)
+    results.append((loss, grads, params))
+  (loss1, grads1, params1), (loss8, grads8, params8) = results
+  assert len(params8["embedding"].sharding.device_set) == 8
+  assert params8["blocks"][0]["mlp"]["w_up"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params1, params8)
+  np.testing.assert_allclose(loss1, loss8, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads1, grads8)
