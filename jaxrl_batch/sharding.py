@@ -77,23 +77,34 @@ def _variable_sharding(variable: nnx.Variable, mesh: Mesh, rules) -> NamedShardi
   return NamedSharding(mesh, logical_to_spec(names, shape, rules, mesh))
 
 
+def abstract_sharded(module_fn, mesh: Mesh, rules):
+  """(graphdef, params) where params are `jax.ShapeDtypeStruct`s carrying each parameter's NamedSharding.
+
+  Nothing is allocated: use it as the target of a checkpoint restore or of `create_sharded`.
+  """
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(module_fn)
+  graphdef, state = nnx.split(abstract)
+  specs = jax.tree.map(
+      lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
+                                     sharding=_variable_sharding(v, mesh, rules)),
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return graphdef, nnx.to_pure_dict(specs)
+
+
 def create_sharded(module_fn, mesh: Mesh, rules):
   """Builds `module_fn()` (an nnx.Module factory) with every parameter created directly in its sharding.
 
   Returns (graphdef, params): params is a plain nested dict of arrays, usable with `nnx.merge(graphdef, params)`.
   """
-  with nnx.use_eager_sharding(False):
-    abstract = nnx.eval_shape(module_fn)
-  graphdef, abstract_state = nnx.split(abstract)
-  shardings = jax.tree.map(lambda v: _variable_sharding(v, mesh, rules), abstract_state,
-                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+  graphdef, abstract = abstract_sharded(module_fn, mesh, rules)
 
   def init():
     with nnx.use_eager_sharding(False):
       return nnx.to_pure_dict(nnx.state(module_fn()))
 
   with jax.set_mesh(mesh):
-    params = jax.jit(init, out_shardings=nnx.to_pure_dict(shardings))()
+    params = jax.jit(init, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
   return graphdef, params
 
 

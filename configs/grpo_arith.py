@@ -1,0 +1,113 @@
+r"""GRPO on synthetic integer arithmetic: a batch family that runs end to end on a laptop CPU.
+
+A member of the family is chosen by its batch size B (rollouts per update = prompts x group size) and the rule
+that retunes the learning rate from the base member (B0 = `optim.base_batch`, lr0 = `optim.base_lr`):
+  none: lr = lr0,  linear: lr = lr0 * B / B0,  sqrt: lr = lr0 * sqrt(B / B0).
+The rule is applied when the trainer builds the optimizer, so `--config.batch_size=...` stays consistent;
+an explicit `--config.optim.lr=...` wins and is logged as an override.
+
+Commands (from the repository root):
+  python -m launch.train --config=configs/grpo_arith.py --workdir=/tmp/grpo_arith
+  python -m launch.train --config=configs/grpo_arith.py:batch=256,lr_rule=sqrt --workdir=/tmp/arith_b256
+  python -m launch.train --config=configs/grpo_arith.py:debug --workdir=/tmp/arith_debug   # < 1 minute
+  python -m launch.sft --config=configs/grpo_arith.py --workdir=/tmp/arith_base             # warm start only
+"""
+import ml_collections
+
+from jaxrl_batch import sharding
+from jaxrl_batch.config_args import parse_arg
+from jaxrl_batch.tasks import arithmetic
+
+BASE_BATCH = 128  # B0: the family's reference member (16 prompts x 8 samples).
+BASE_LR = 1e-4  # lr0 at B0 (Adam).
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """`arg`: 'batch=<rollouts per update>,lr_rule=<none|linear|sqrt>,seed=<int>,debug'."""
+  arg = parse_arg(arg, batch=BASE_BATCH, lr_rule="sqrt", seed=0, debug=False)
+  c = ml_collections.ConfigDict()
+  c.seed = arg.seed  # Seeds init, prompts and sampling; every step's randomness is derived from (seed, step).
+
+  c.task = arithmetic.default_config()
+  c.task.name = "arithmetic"  # Registered task name (jaxrl_batch.tasks.TASKS).
+  c.tokenizer_path = ""  # SentencePiece .model file; "" uses the task's bundled tokenizer.
+
+  c.model = ml_collections.ConfigDict(dict(
+      vocab_size=32,  # Embedding rows; must be >= the tokenizer's vocabulary.
+      d_model=128,  # Residual width.
+      num_layers=4,  # Decoder blocks.
+      num_heads=4,  # Query heads.
+      num_kv_heads=2,  # Key/value heads (GQA).
+      head_dim=32,  # Width of one head.
+      d_ff=512,  # SwiGLU hidden width.
+      rope_theta=10_000.0,  # RoPE base.
+      norm_eps=1e-6,  # RMSNorm epsilon.
+      tie_embeddings=True,  # Share the embedding table with the output head.
+      dtype="float32",  # Activations ("float32" | "bfloat16").
+      param_dtype="float32",  # Parameters.
+  ))
+
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # Device mesh; -1 takes the rest.
+  c.sharding_rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes.
+
+  c.algo = "grpo"  # RL algorithm.
+  c.batch_size = arg.batch  # B: rollouts per update (= prompts per step x group_size).
+  c.group_size = 8  # Samples per prompt; GRPO normalises rewards within each group.
+  c.micro_batch_size = 0  # Rollouts per forward/backward (gradient accumulation); 0 = the whole batch.
+  c.grpo = ml_collections.ConfigDict(dict(
+      clip_eps=0.2,  # PPO ratio clip epsilon.
+      kl_coef=0.0,  # Weight of the k3 KL to the frozen base policy; 0 skips the reference model entirely.
+      normalize_std=True,  # Divide group-centred rewards by the group std (False = Dr.GRPO-style).
+  ))
+  c.sampling = ml_collections.ConfigDict(dict(
+      temperature=1.0,  # Rollout temperature (the trainer scores log-probs at the same temperature).
+      top_k=0,  # 0 = off.
+      top_p=1.0,  # 1.0 = off.
+  ))
+  c.extra_response_tokens = 2  # Response budget beyond the longest correct answer (+EOS); longer = truncated.
+
+  c.optim = ml_collections.ConfigDict(dict(
+      base_lr=BASE_LR,  # lr0 of the family's base member.
+      base_batch=BASE_BATCH,  # B0 (rollouts per update) at which base_lr was tuned.
+      lr_rule=arg.lr_rule,  # How lr follows B: none | linear | sqrt.
+      lr=-1.0,  # Explicit peak lr; > 0 overrides the rule (logged).
+      b1=0.9,  # Adam beta1.
+      b2=0.999,  # Adam beta2.
+      eps=1e-8,  # Adam epsilon.
+      weight_decay=0.0,  # Decoupled weight decay (AdamW).
+      grad_clip=1.0,  # Global-norm gradient clip; 0 disables.
+      warmup_samples=1024,  # Linear warmup length in samples (rollouts), the same for every member.
+      schedule="constant",  # constant | cosine (decays to final_lr_frac * peak at sample_budget).
+      final_lr_frac=0.1,  # End of the cosine, as a fraction of the peak lr.
+  ))
+
+  c.sample_budget = 40_960  # Total rollouts of the run: every member trains on the same number of samples.
+  c.eval_every_samples = 4096  # Greedy held-out evaluation cadence, in samples.
+  c.checkpoint_every_samples = 4096  # Checkpoint cadence, in samples.
+  c.log_every_steps = 5  # Progress line cadence, in steps.
+
+  c.sft = ml_collections.ConfigDict(dict(
+      steps=300,  # Supervised warm-start steps (cross-entropy on the completion tokens).
+      batch_size=64,  # Examples per SFT step.
+      lr=1e-3,  # SFT peak lr (warmup then cosine to 0).
+      warmup_steps=30,  # SFT warmup steps.
+      cache_dir="",  # Where base checkpoints are cached; "" = ~/.cache/jaxrl_batch/base.
+  ))
+
+  if arg.debug:
+    c.task.num_eval = 64
+    c.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, d_ff=64)
+    c.batch_size = 32
+    c.group_size = 4
+    c.optim.warmup_samples = 32
+    c.sample_budget = 128
+    c.eval_every_samples = 64
+    c.checkpoint_every_samples = 64
+    c.log_every_steps = 1
+    c.sft.update(steps=20, batch_size=16, warmup_steps=2)
+  return c
+
+
+def sweep() -> list[str]:
+  """The study's members: the sqrt family over 64..512 rollouts per update, and `none` as the control."""
+  return [f"batch={b},lr_rule={rule}" for rule in ("sqrt", "none") for b in (64, 128, 256, 512)]

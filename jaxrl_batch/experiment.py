@@ -1,0 +1,107 @@
+"""What every job shares: the validated config, mesh, tokenizer, task, model definition and token layout.
+
+Sequence layout used by sampling, SFT and RL alike: `[BOS prompt]` left-padded to `prompt_len` tokens, followed
+by the response right-padded to `response_len` tokens (EOS included).
+"""
+import dataclasses
+import logging
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from jaxrl_batch import sharding, tasks
+from jaxrl_batch import tokenizer as tokenizer_lib
+from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.sampling import SamplingParams
+
+
+def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
+  """Refuses batch settings that cannot run, naming the field and the fix."""
+  b, g = config.batch_size, config.group_size
+  if g < 2:
+    raise ValueError(f"group_size={g}: GRPO normalises rewards within a group, so it needs group_size >= 2.")
+  if b <= 0 or b % g:
+    raise ValueError(f"batch_size={b} must be a positive multiple of group_size={g} (batch = prompts x group "
+                     f"size); e.g. batch_size={max(g, b - b % g)}.")
+  if b % data_parallel:
+    raise ValueError(f"batch_size={b} must be divisible by the data-parallel device count {data_parallel} "
+                     "(mesh.data x mesh.fsdp); change batch_size or config.mesh.")
+  micro = config.micro_batch_size or b
+  if b % micro or micro % data_parallel:
+    raise ValueError(f"micro_batch_size={config.micro_batch_size} must divide batch_size={b} and be divisible by "
+                     f"the data-parallel device count {data_parallel}; 0 uses the whole batch.")
+  if config.sample_budget < b:
+    raise ValueError(f"sample_budget={config.sample_budget} is smaller than one batch ({b} rollouts).")
+  if config.algo != "grpo":
+    raise ValueError(f"algo={config.algo!r} is not available; this build implements 'grpo'.")
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Resolved pieces of one run; build with `Experiment.create(config)`."""
+
+  config: ml_collections.ConfigDict
+  mesh: jax.sharding.Mesh
+  tokenizer: tokenizer_lib.Tokenizer
+  task: tasks.Task
+  model_cfg: ModelConfig
+  prompt_len: int
+  response_len: int
+
+  @classmethod
+  def create(cls, config: ml_collections.ConfigDict, devices=None) -> "Experiment":
+    mesh = sharding.make_mesh(**config.mesh, devices=devices)
+    validate(config, sharding.data_parallel_size(mesh))
+    task_cfg = {k: v for k, v in config.task.items() if k != "name"}
+    task = tasks.make_task(config.task.name, ml_collections.ConfigDict(task_cfg))
+    tokenizer = tokenizer_lib.Tokenizer.load(config.tokenizer_path or task.tokenizer_path())
+    model_cfg = ModelConfig.from_config(config.model)
+    tokenizer_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+    prompt_len = 1 + task.max_prompt_len(tokenizer)
+    response_len = task.max_answer_len(tokenizer) + config.extra_response_tokens
+    return cls(config, mesh, tokenizer, task, model_cfg, prompt_len, response_len)
+
+  def _module_fn(self, seed: int):
+    return lambda: Transformer(self.model_cfg, nnx.Rngs(seed))
+
+  def init_params(self, seed: int):
+    """(graphdef, params) of a freshly initialised model, created sharded over the mesh."""
+    return sharding.create_sharded(self._module_fn(seed), self.mesh, self.config.sharding_rules)
+
+  def abstract_params(self):
+    """(graphdef, params as sharded ShapeDtypeStructs): a restore target; allocates nothing."""
+    return sharding.abstract_sharded(self._module_fn(0), self.mesh, self.config.sharding_rules)
+
+  @property
+  def sampling(self) -> SamplingParams:
+    return SamplingParams(**self.config.sampling)
+
+  def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens_BxP, valid_BxP): BOS + prompt, left-padded to `prompt_len`."""
+    ids = [[self.tokenizer.bos_id] + self.tokenizer.encode(p.prompt) for p in problems]
+    return tokenizer_lib.left_pad(ids, self.prompt_len, self.tokenizer.pad_id)
+
+  def decode_responses(self, tokens_BxN: np.ndarray, mask_BxN: np.ndarray) -> list[str]:
+    """Response text of each row: the masked tokens before EOS.
+
+    A response holding an id the tokenizer lacks (an embedding row past its vocabulary) decodes as '\ufffd',
+    so it earns no reward instead of stopping the run.
+    """
+    tok = self.tokenizer
+    def text(ids):
+      return "\ufffd" if any(t >= tok.vocab_size for t in ids) else tok.decode(ids)
+    return [text([t for t, m in zip(row, keep) if m and t != tok.eos_id])
+            for row, keep in zip(tokens_BxN.tolist(), mask_BxN.tolist())]
+
+  def shard_batch(self, tree):
+    """Places host arrays with their leading (batch) dimension split over the data-parallel axes."""
+    return jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(self.mesh, np.ndim(x))), tree)
+
+  def log_layout(self) -> None:
+    logging.info("Devices: %d (%s), processes: %d; mesh %s.", jax.device_count(), jax.devices()[0].platform,
+                 jax.process_count(), dict(self.mesh.shape))
+    logging.info("Model: %.2fM parameters; tokenizer %s (%d ids); prompt %d + response %d tokens.",
+                 self.model_cfg.num_params() / 1e6, self.tokenizer.path, self.tokenizer.vocab_size,
+                 self.prompt_len, self.response_len)

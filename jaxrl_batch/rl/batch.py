@@ -1,0 +1,45 @@
+"""The token-aligned training batch shared by the RL update and supervised warm-up."""
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_batch.model import sequence_logits
+from jaxrl_batch.rl.losses import token_logprobs
+
+
+class TrainBatch(NamedTuple):
+  """B sequences of T tokens: a left-padded prompt followed by a right-padded response.
+
+  Per-token arrays are aligned with `tokens_BxT`: entry t refers to token t, scored from the logits at t - 1
+  (entry 0 is never a loss token).
+
+  tokens_BxT: int32 ids.
+  valid_BxT: bool, not padding.
+  loss_mask_BxT: bool, tokens that enter the loss (response tokens up to and including EOS).
+  old_logp_BxT: float32 behaviour log-probs (from the sampler); 0 off the loss mask.
+  ref_logp_BxT: float32 log-probs under the frozen reference policy, or zeros when the KL term is off.
+  adv_B: float32 advantage of each sequence.
+  """
+
+  tokens_BxT: jax.Array
+  valid_BxT: jax.Array
+  loss_mask_BxT: jax.Array
+  old_logp_BxT: jax.Array
+  ref_logp_BxT: jax.Array
+  adv_B: jax.Array
+
+
+def sequence_logprobs(graphdef, params, tokens_BxT, valid_BxT, temperature: float = 1.0):
+  """(logp_BxT, logits_BxTxV): log-prob of each token given its prefix, under softmax(logits / temperature).
+
+  logp_BxT[:, 0] is 0 (the first token has no prefix); logits_BxTxV[:, t] predicts token t + 1.
+  """
+  logits_BxTxV = sequence_logits(graphdef, params, tokens_BxT, valid_BxT) / temperature
+  logp_BxTm1 = token_logprobs(logits_BxTxV[:, :-1], tokens_BxT[:, 1:])
+  return jnp.pad(logp_BxTm1, ((0, 0), (1, 0))), logits_BxTxV
+
+
+def split_micro_batches(tree, num_micro: int):
+  """Reshapes every leaf (B, ...) -> (num_micro, B // num_micro, ...) for a scan over micro-batches."""
+  return jax.tree.map(lambda x: x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:]), tree)

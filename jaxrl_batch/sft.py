@@ -1,0 +1,110 @@
+"""Supervised warm start: cross-entropy on formatted (prompt, completion) examples, cached as a base policy.
+
+RL needs a policy that sometimes succeeds; this trains one from scratch on the task's own examples. The result is
+cached under a key of everything it depends on (model, task, SFT settings, seed, tokenizer), so every member of a
+batch family starts from the same base.
+"""
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrl_batch.checkpointing import Checkpointer
+from jaxrl_batch.evaluation import eval_accuracy
+from jaxrl_batch.experiment import Experiment
+from jaxrl_batch.rl.batch import sequence_logprobs
+from jaxrl_batch.rl.losses import masked_token_sum_mean
+
+SFT_SEED_STREAM = 1_000_003  # SFT draws problems from (seed + this, step): a stream distinct from RL's.
+
+
+def sft_arrays(exp: Experiment, problems) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(tokens_BxT, valid_BxT, loss_mask_BxT) with T = prompt_len + response_len; loss on completion + EOS."""
+  tokens_BxP, valid_BxP = exp.encode_prompts(problems)
+  tok = exp.tokenizer
+  answers = [tok.encode(exp.task.sft_example(p)[1]) + [tok.eos_id] for p in problems]
+  if max(map(len, answers)) > exp.response_len:
+    raise ValueError(f"An SFT completion is longer than the response budget ({exp.response_len} tokens).")
+  tokens_BxN = np.full((len(problems), exp.response_len), tok.pad_id, np.int32)
+  valid_BxN = np.zeros(tokens_BxN.shape, bool)
+  for row, ids in enumerate(answers):
+    tokens_BxN[row, : len(ids)] = ids
+    valid_BxN[row, : len(ids)] = True
+  tokens = np.concatenate([tokens_BxP, tokens_BxN], axis=1)
+  valid = np.concatenate([valid_BxP, valid_BxN], axis=1)
+  loss_mask = np.concatenate([np.zeros_like(valid_BxP), valid_BxN], axis=1)
+  return tokens, valid, loss_mask
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx"), donate_argnums=(0, 1))
+def sft_step(params, opt_state, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphdef, tx):
+  """One Adam step on the mean next-token cross-entropy over `loss_mask` tokens. Returns (params, opt, loss)."""
+  def loss_fn(p):
+    logp_BxT, _ = sequence_logprobs(graphdef, p, tokens_BxT, valid_BxT)
+    return -masked_token_sum_mean(logp_BxT, loss_mask_BxT, jnp.sum(loss_mask_BxT))
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def cache_key(exp: Experiment) -> str:
+  """Hash of everything the base policy depends on."""
+  with open(exp.tokenizer.path, "rb") as f:
+    tokenizer_hash = hashlib.sha256(f.read()).hexdigest()
+  c = exp.config
+  sft = {k: v for k, v in c.sft.items() if k != "cache_dir"}
+  blob = json.dumps(dict(model=c.model.to_dict(), task=c.task.to_dict(), sft=sft, seed=c.seed,
+                         tokenizer=tokenizer_hash, response_len=exp.response_len), sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def base_dir(exp: Experiment) -> str:
+  root = exp.config.sft.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxrl_batch", "base")
+  return os.path.join(root, cache_key(exp))
+
+
+def train(exp: Experiment):
+  """Trains the base policy from scratch; returns (graphdef, params, held-out accuracy)."""
+  c = exp.config.sft
+  graphdef, params = exp.init_params(exp.config.seed)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, max(c.steps, c.warmup_steps + 1))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+  with jax.set_mesh(exp.mesh):
+    opt_state = tx.init(params)
+  start = time.time()
+  for step in range(c.steps):
+    problems = exp.task.train_problems(exp.config.seed + SFT_SEED_STREAM, step, c.batch_size)
+    batch = exp.shard_batch(sft_arrays(exp, problems))
+    with jax.set_mesh(exp.mesh):
+      params, opt_state, loss = sft_step(params, opt_state, *batch, graphdef=graphdef, tx=tx)
+    if (step + 1) % max(1, c.steps // 10) == 0 or step + 1 == c.steps:
+      logging.info("SFT step %d/%d  loss %.4f  (%.0fs)", step + 1, c.steps, float(loss), time.time() - start)
+  accuracy = eval_accuracy(exp, graphdef, params)
+  logging.info("SFT done in %.0fs: held-out greedy accuracy %.3f.", time.time() - start, accuracy)
+  return graphdef, params, accuracy
+
+
+def load_or_train(exp: Experiment, directory: str | None = None):
+  """The cached base policy for `exp` (training and caching it first if absent): (graphdef, params, path)."""
+  directory = directory or base_dir(exp)
+  graphdef, abstract = exp.abstract_params()
+  ckpt = Checkpointer(directory, max_to_keep=1)
+  if ckpt.latest_step() is not None:
+    logging.info("Reusing the cached base policy at %s.", directory)
+    params, meta = ckpt.restore(abstract)
+    logging.info("Base policy held-out accuracy (at creation): %.3f.", meta["eval_accuracy"])
+  else:
+    logging.info("No cached base policy at %s: training it first (SFT, %d steps).", directory,
+                 exp.config.sft.steps)
+    graphdef, params, accuracy = train(exp)
+    ckpt.save(0, params, dict(eval_accuracy=accuracy, sft=exp.config.sft.to_dict(), tokenizer=exp.tokenizer.path))
+  ckpt.close()
+  return graphdef, params, directory

@@ -1,0 +1,39 @@
+"""What the trainer needs from a verifiable task: problems, a reward, SFT examples and buffer sizes."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from jaxrl_batch.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One problem: the prompt text given to the policy and the integer answer the reward checks."""
+  prompt: str
+  answer: int
+
+
+class Task(Protocol):
+  """A verifiable task; see `jaxrl_batch.tasks.arithmetic.ArithmeticTask` for the reference implementation."""
+
+  def train_problems(self, seed: int, step: int, num: int) -> list[Problem]:
+    """`num` training problems, deterministic per (seed, step), never held-out ones."""
+
+  def eval_problems(self) -> list[Problem]:
+    """The fixed held-out evaluation set, disjoint from every training problem."""
+
+  def reward(self, completion: str, problem: Problem) -> float:
+    """1.0 if `completion` (decoded text before EOS) solves `problem`, else 0.0; never raises."""
+
+  def sft_example(self, problem: Problem) -> tuple[str, str]:
+    """(prompt, completion) text for supervised warm-up; the completion excludes EOS."""
+
+  def tokenizer_path(self) -> str:
+    """Path of the task's SentencePiece model."""
+
+  def max_prompt_len(self, tokenizer: Tokenizer) -> int:
+    """Longest prompt in tokens."""
+
+  def max_answer_len(self, tokenizer: Tokenizer) -> int:
+    """Longest correct completion in tokens, counting the EOS token."""
