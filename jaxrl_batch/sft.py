@@ -25,11 +25,11 @@ from jaxrl_batch.rl.losses import masked_token_sum_mean
 SFT_SEED_STREAM = 1_000_003  # SFT draws problems from (seed + this, step): a stream distinct from RL's.
 
 
-def sft_arrays(exp: Experiment, problems) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sft_arrays(exp: Experiment, problems, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(tokens_BxT, valid_BxT, loss_mask_BxT) with T = prompt_len + response_len; loss on completion + EOS."""
   tokens_BxP, valid_BxP = exp.encode_prompts(problems)
   tok = exp.tokenizer
-  answers = [tok.encode(exp.task.sft_example(p)[1]) + [tok.eos_id] for p in problems]
+  answers = [tok.encode(exp.task.sft_example(p, rng)[1]) + [tok.eos_id] for p in problems]
   if max(map(len, answers)) > exp.response_len:
     raise ValueError(f"An SFT completion is longer than the response budget ({exp.response_len} tokens).")
   tokens_BxN = np.full((len(problems), exp.response_len), tok.pad_id, np.int32)
@@ -82,7 +82,8 @@ def train(exp: Experiment):
   start = time.time()
   for step in range(c.steps):
     problems = exp.task.train_problems(exp.config.seed + SFT_SEED_STREAM, step, c.batch_size)
-    batch = exp.shard_batch(sft_arrays(exp, problems))
+    rng = np.random.default_rng([exp.config.seed + SFT_SEED_STREAM, step, 1])  # answer formats
+    batch = exp.shard_batch(sft_arrays(exp, problems, rng))
     with jax.set_mesh(exp.mesh):
       params, opt_state, loss = sft_step(params, opt_state, *batch, graphdef=graphdef, tx=tx)
     if (step + 1) % max(1, c.steps // 10) == 0 or step + 1 == c.steps:

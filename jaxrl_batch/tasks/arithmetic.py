@@ -38,7 +38,17 @@ def default_config() -> ml_collections.ConfigDict:
   cfg.ops = "+-"  # Operators to sample: a non-empty subset of "+-".
   cfg.num_eval = 256  # Number of held-out evaluation problems.
   cfg.eval_seed = 0  # Seeds the choice of evaluation problems among the held-out ones.
+  cfg.sft_strict_frac_add = 1.0  # Fraction of warm-start sums written strictly; the rest as "57." / "57.0".
+  cfg.sft_strict_frac_sub = 1.0  # The same for differences.
   return cfg
+
+
+def loose_formats(answer: int) -> list[str]:
+  """Answer spellings a reader accepts but the strict reward rejects: `"57."` and `"57.0"` for 57.
+
+  Both only append characters, so the digits sit where the strict answer has them.
+  """
+  return [f"{answer}.", f"{answer}.0"]
 
 
 def format_prompt(a: int, op: str, b: int) -> str:
@@ -70,7 +80,7 @@ def tokenizer_corpus() -> list[str]:
   """Deterministic prompt+completion lines covering every digit, operator, and negative answers."""
   operands = list(range(10)) + list(range(10, 1000, 37))
   problems = [make_problem(a, op, b) for a in operands for b in operands for op in ALL_OPS]
-  return [p.prompt + str(p.answer) for p in problems]
+  return [p.prompt + text for p in problems for text in [str(p.answer), *loose_formats(p.answer)]]
 
 
 def write_tokenizer(path: str = TOKENIZER_PATH) -> tokenizer_lib.Tokenizer:
@@ -92,6 +102,7 @@ class ArithmeticTask:
     fields = {**defaults.to_dict(), **{key: cfg[key] for key in cfg.keys()}}
     self.max_digits, self.ops = fields["max_digits"], fields["ops"]
     self.num_eval, self.eval_seed = fields["num_eval"], fields["eval_seed"]
+    self.sft_strict_frac = {"+": fields["sft_strict_frac_add"], "-": fields["sft_strict_frac_sub"]}
     if not (isinstance(self.max_digits, int) and 1 <= self.max_digits <= MAX_DIGITS_LIMIT):
       raise ValueError(f"task.max_digits={self.max_digits!r}; set an integer in [1, {MAX_DIGITS_LIMIT}].")
     if not (isinstance(self.ops, str) and self.ops and set(self.ops) <= set(ALL_OPS)
@@ -99,6 +110,10 @@ class ArithmeticTask:
       raise ValueError(f"task.ops={self.ops!r}; set a non-empty string of distinct operators from {ALL_OPS!r}.")
     if not (isinstance(self.num_eval, int) and self.num_eval >= 1):
       raise ValueError(f"task.num_eval={self.num_eval!r}; set a positive integer.")
+    for op, name in (("+", "sft_strict_frac_add"), ("-", "sft_strict_frac_sub")):
+      frac = self.sft_strict_frac[op]
+      if not (isinstance(frac, float | int) and 0.0 <= frac <= 1.0):
+        raise ValueError(f"task.{name}={frac!r}; set a fraction in [0, 1].")
     self._op_codes = np.array([ALL_OPS.index(op) for op in self.ops])
     self._eval = self._sample_eval()
 
@@ -144,9 +159,18 @@ class ArithmeticTask:
     """1.0 iff `completion` is exactly the canonical decimal answer (optional '-', no leading zeros), else 0.0."""
     return 1.0 if completion == str(problem.answer) else 0.0
 
-  def sft_example(self, problem: Problem) -> tuple[str, str]:
-    """(prompt, completion) with the completion in canonical decimal, without EOS."""
-    return problem.prompt, str(problem.answer)
+  def sft_example(self, problem: Problem, rng: np.random.Generator) -> tuple[str, str]:
+    """(prompt, completion) for supervised warm-up, without EOS.
+
+    With probability `sft_strict_frac_add` (sums) or `sft_strict_frac_sub` (differences) the completion is the
+    strict answer; otherwise one of `loose_formats`, like the mixed notation of real pretraining text, which the
+    reward rejects and RL must learn to avoid.
+    """
+    op = "-" if "-" in problem.prompt[:-1] else "+"
+    if rng.random() < self.sft_strict_frac[op]:
+      return problem.prompt, str(problem.answer)
+    loose = loose_formats(problem.answer)
+    return problem.prompt, loose[rng.integers(len(loose))]
 
   def tokenizer_path(self) -> str:
     """The bundled `assets/arith.model`."""
@@ -163,7 +187,8 @@ class ArithmeticTask:
 
   def max_answer_len(self, tokenizer: tokenizer_lib.Tokenizer) -> int:
     """Longest correct completion in tokens, including the EOS token (exact as for `max_prompt_len`)."""
-    return max(len(tokenizer.encode(str(p.answer))) for p in self._extreme_problems()) + 1
+    return max(len(tokenizer.encode(text)) for p in self._extreme_problems()
+               for text in [str(p.answer), *loose_formats(p.answer)]) + 1
 
 
 def _main() -> None:

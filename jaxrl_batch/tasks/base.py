@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+import numpy as np
+
 from jaxrl_batch.tokenizer import Tokenizer
 
 
@@ -26,7 +28,7 @@ class Task(Protocol):
   def reward(self, completion: str, problem: Problem) -> float:
     """1.0 if `completion` (decoded text before EOS) solves `problem`, else 0.0; never raises."""
 
-  def sft_example(self, problem: Problem) -> tuple[str, str]:
+  def sft_example(self, problem: Problem, rng: np.random.Generator) -> tuple[str, str]:
     """(prompt, completion) text for supervised warm-up; the completion excludes EOS."""
 
   def tokenizer_path(self) -> str:
