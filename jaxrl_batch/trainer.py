@@ -127,7 +127,7 @@ class Trainer:
     t3 = time.time()
     if not (np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"])):
       raise FloatingPointError(
-          f"Non-finite loss ({out['loss']}) or gradient norm ({out['grad_norm']}) at step {step}; stopping "
+          f"Non-finite loss ({out['loss']}) or gradient norm ({out['grad_norm']}) at step {step + 1}; stopping "
           f"before saving, so the last checkpoint in {self.checkpointer.directory} (step "
           f"{self.checkpointer.latest_step()}) is intact. Lower optim.base_lr / set optim.grad_clip, then rerun.")
     lengths = np.asarray(rollout.lengths_B)
@@ -165,12 +165,19 @@ class Trainer:
       logging.info("Resuming from step %d (%d samples, %.0fs) in %s.", step, samples, wall_offset, self.workdir)
     else:
       step, samples, wall_offset = 0, 0, 0.0
+      self.metrics.truncate_after(-1)  # Rows of an attempt that died before its first checkpoint.
       with open(os.path.join(self.workdir, "config.json"), "w") as f:
         json.dump(self._resolved_config(base_dir), f, indent=2)
-    params, opt_state = state["params"], state["opt_state"]
+    try:
+      return self._loop(state["params"], state["opt_state"], step, samples, wall_offset)
+    finally:
+      self.checkpointer.close()  # Also on errors and Ctrl-C: pending asynchronous saves complete.
+
+  def _loop(self, params, opt_state, step: int, samples: int, wall_offset: float) -> dict:
+    c, exp = self.config, self.exp
     start = time.time()
     wall = lambda: wall_offset + time.time() - start
-    eval_acc = None
+    eval_acc = next((r["eval_accuracy"] for r in reversed(self.metrics.read()) if "eval_accuracy" in r), None)
     if step == 0:
       eval_acc = eval_accuracy(exp, self.graphdef, params)
       self.metrics.write(dict(step=0, samples=0, wall_s=wall(), eval_accuracy=eval_acc))
@@ -194,6 +201,5 @@ class Trainer:
       if crossed(c.checkpoint_every_samples) or step == self.total_steps:
         self.checkpointer.save(step, dict(params=params, opt_state=opt_state),
                                dict(step=step, samples=samples, wall_s=wall()))
-    self.checkpointer.close()
     logging.info("Done: %d steps, %d samples, final held-out accuracy %s.", step, samples, eval_acc)
     return dict(row, eval_accuracy=eval_acc)

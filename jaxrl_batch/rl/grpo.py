@@ -62,7 +62,7 @@ def update(params, opt_state, batch: TrainBatch, *, graphdef, tx: optax.Gradient
   ((loss, aux), grads), _ = jax.lax.scan(accumulate, zeros, micro_batches)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  metrics = dict(aux, loss=loss, grad_norm=optax.global_norm(grads), num_tokens=num_tokens)
+  metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads), num_tokens=num_tokens)
   return params, opt_state, metrics
 
 

@@ -1,0 +1,172 @@
+"""The training loop end to end on the debug config: metrics contract, exact resume, and refused bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import grpo_arith
+from jaxrl_batch.checkpointing import Checkpointer
+from jaxrl_batch.rl import grpo
+from jaxrl_batch.trainer import Trainer
+
+ONE_DEVICE = jax.devices()[:1]
+TRAIN_FIELDS = {"step", "samples", "wall_s", "rollout_s", "update_s", "lr", "reward_mean", "response_len_mean", "kl",
+                "clip_frac", "entropy", "grad_norm"}
+EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy"}
+
+
+@pytest.fixture(scope="module")
+def base_cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("base_cache"))
+
+
+def debug_config(base_cache, **overrides):
+  c = grpo_arith.get_config("debug")
+  c.sft.cache_dir = base_cache
+  c.sample_budget = 192  # 6 steps of 32 rollouts
+  c.mesh.data = 1
+  for key, value in overrides.items():
+    node = c
+    *path, leaf = key.split(".")
+    for name in path:
+      node = node[name]
+    node[leaf] = value
+  return c
+
+
+def read_rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_run_writes_the_metrics_contract(tmp_path, base_cache):
+  workdir = str(tmp_path / "run")
+  Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
+  rows = read_rows(workdir)
+  train = [r for r in rows if "reward_mean" in r]
+  evals = [r for r in rows if "eval_accuracy" in r]
+  assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+  assert [r["samples"] for r in train] == [32 * s for s in range(1, 7)]
+  assert all(TRAIN_FIELDS <= set(r) for r in train)
+  assert [r["samples"] for r in evals] == [0, 64, 128, 192]  # eval_every_samples=64, plus the base at 0
+  assert all(set(r) == EVAL_FIELDS and 0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
+  walls = [r["wall_s"] for r in rows]
+  assert walls == sorted(walls)
+  with open(os.path.join(workdir, "config.json")) as f:
+    saved = json.load(f)
+  # Debug batch 32 with the sqrt rule around B0=128: lr = 5e-5 * sqrt(32 / 128).
+  assert saved["derived"]["lr"] == pytest.approx(2.5e-5)
+  assert "sqrt rule" in saved["derived"]["lr_derivation"]
+  assert saved["config"]["batch_size"] == 32
+  assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 6
+
+
+def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch):
+  straight = str(tmp_path / "straight")
+  Trainer(debug_config(base_cache), straight, devices=ONE_DEVICE).run()
+
+  resumed = str(tmp_path / "resumed")
+  original = Trainer._train_step
+  def crash_at_step_3(self, params, opt_state, step):
+    if step == 3:
+      raise KeyboardInterrupt("simulated kill")
+    return original(self, params, opt_state, step)
+  monkeypatch.setattr(Trainer, "_train_step", crash_at_step_3)
+  with pytest.raises(KeyboardInterrupt):
+    Trainer(debug_config(base_cache), resumed, devices=ONE_DEVICE).run()
+  monkeypatch.setattr(Trainer, "_train_step", original)
+  # Step 3 was logged after the checkpoint at step 2, then the run died: the rerun drops it and redoes it.
+  Trainer(debug_config(base_cache), resumed, devices=ONE_DEVICE).run()
+
+  a, b = read_rows(straight), read_rows(resumed)
+  assert [r["step"] for r in a] == [r["step"] for r in b]
+  for key in ("reward_mean", "response_len_mean", "grad_norm", "eval_accuracy", "samples"):
+    np.testing.assert_allclose([r.get(key, -1) for r in a], [r.get(key, -1) for r in b], rtol=1e-5)
+
+
+def test_incompatible_workdir_is_refused_without_changes(tmp_path, base_cache):
+  workdir = str(tmp_path / "run")
+  Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
+  before = open(os.path.join(workdir, "metrics.jsonl")).read()
+  with pytest.raises(ValueError, match=r"different config \(optim.base_lr: 5e-05 -> 0.001"):
+    Trainer(debug_config(base_cache, **{"optim.base_lr": 1e-3}), workdir, devices=ONE_DEVICE).run()
+  assert open(os.path.join(workdir, "metrics.jsonl")).read() == before
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, base_cache, monkeypatch):
+  original = grpo.update
+  calls = []
+  def poisoned(*args, **kwargs):
+    params, opt_state, metrics = original(*args, **kwargs)
+    calls.append(1)
+    if len(calls) == 4:
+      metrics = dict(metrics, loss=np.float32("nan"))
+    return params, opt_state, metrics
+  monkeypatch.setattr(grpo, "update", poisoned)
+  workdir = str(tmp_path / "run")
+  with pytest.raises(FloatingPointError, match=r"at step 4; .*\(step 2\) is intact"):
+    Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
+  assert max(r["step"] for r in read_rows(workdir)) == 3  # The poisoned update 4 is never logged.
+  assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"batch_size": 30}, "batch_size=30 must be a positive multiple of group_size=4"),
+    ({"group_size": 1, "batch_size": 32}, "group_size >= 2"),
+    ({"micro_batch_size": 12}, "micro_batch_size=12 must divide batch_size=32"),
+    ({"model.vocab_size": 8}, "has 18 ids but the model's embedding has only 8 rows"),
+    ({"model.num_kv_heads": 3}, "multiple of model.num_kv_heads=3"),
+    ({"optim.lr_rule": "cubic"}, "cubic"),
+    ({"tokenizer_path": "/nonexistent/x.model"}, "x.model"),
+])
+def test_bad_config_is_refused_before_anything_is_written(tmp_path, base_cache, overrides, message):
+  workdir = tmp_path / "run"
+  with pytest.raises((ValueError, FileNotFoundError), match=message):
+    Trainer(debug_config(base_cache, **overrides), str(workdir), devices=ONE_DEVICE)
+  assert not workdir.exists()
+
+
+def test_batch_must_split_over_data_parallel_devices(tmp_path, base_cache):
+  config = debug_config(base_cache, batch_size=36)
+  config.mesh.data = -1
+  with pytest.raises(ValueError, match="divisible by the data-parallel device count 8"):
+    Trainer(config, str(tmp_path / "run"))
+
+
+def _launch(workdir, base_cache, *extra):
+  cmd = [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:debug", f"--workdir={workdir}",
+         f"--config.sft.cache_dir={base_cache}", *extra]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_cli_rejects_unknown_keys_and_wrong_types(tmp_path, base_cache):
+  for flag, message in (("--config.optim.lrr=1", "lrr"), ("--config.batch_size=abc", "batch_size")):
+    proc = _launch(tmp_path / "run", base_cache, flag)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and message in out, out[-2000:]
+  assert not (tmp_path / "run").exists()
+
+
+def test_cli_killed_mid_run_resumes_on_eight_devices(tmp_path, base_cache):
+  workdir = tmp_path / "run"
+  budget = "--config.sample_budget=640"  # 20 steps; checkpoints every 64 samples
+  proc = _launch(workdir, base_cache, budget)
+  deadline = time.time() + 240
+  while not (workdir / "checkpoints" / "4").exists():
+    assert time.time() < deadline and proc.poll() is None, proc.stdout.read()[-3000:]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  proc = _launch(workdir, base_cache, budget)
+  out, _ = proc.communicate(timeout=240)
+  assert proc.returncode == 0, out[-3000:]
+  assert "Resuming from step" in out
+  steps = [r["step"] for r in read_rows(workdir) if "reward_mean" in r]
+  assert steps == list(range(1, 21))
