@@ -6,6 +6,7 @@ r"""Trains one member of a batch family with GRPO.
 
 Rerunning the same command resumes from the latest checkpoint in --workdir.
 """
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -22,7 +23,6 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   if FLAGS.distributed:
-    import jax
     jax.distributed.initialize()
   logs.setup()
   Trainer(FLAGS.config, FLAGS.workdir).run()

@@ -80,3 +80,25 @@ def test_update_raises_logprob_of_positive_advantage_sequences():
     return np.asarray((logp * batch.loss_mask_BxT).sum(1))
   delta = seq_logp(new_params) - seq_logp(params)
   assert np.all(delta[0::2] > 0) and np.all(delta[1::2] < 0), delta
+
+
+def test_kl_term_matches_hand_computed_k3_against_the_reference():
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+  _, ref_params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(7)), mesh, sharding.DEFAULT_RULES)
+  batch = grpo.reference_logprobs(ref_params, make_batch(3), graphdef=graphdef, temperature=1.0)
+  logp, _ = sequence_logprobs(graphdef, params, batch.tokens_BxT, batch.valid_BxT)
+  ref, _ = sequence_logprobs(graphdef, ref_params, batch.tokens_BxT, batch.valid_BxT)
+  mask = np.asarray(batch.loss_mask_BxT)
+  np.testing.assert_allclose(np.asarray(batch.ref_logp_BxT), np.where(mask, ref, 0.0), atol=1e-6)
+  d = np.asarray(ref) - np.asarray(logp)
+  want_kl = ((np.exp(d) - d - 1) * mask).sum() / mask.sum()
+  tx = optax.sgd(0.0)
+  _, _, with_kl = grpo.update(jax.tree.map(jnp.copy, params), tx.init(params), batch, graphdef=graphdef, tx=tx,
+                              cfg=grpo.GRPOLossConfig(kl_coef=0.5), num_micro=2)
+  _, _, without = grpo.update(jax.tree.map(jnp.copy, params), tx.init(params), batch, graphdef=graphdef, tx=tx,
+                              cfg=grpo.GRPOLossConfig(kl_coef=0.0), num_micro=2)
+  assert want_kl > 0.01
+  np.testing.assert_allclose(with_kl["kl"], want_kl, rtol=1e-4)
+  np.testing.assert_allclose(with_kl["loss"], without["loss"] + 0.5 * want_kl, rtol=1e-4)
+  assert without["kl"] == 0.0
