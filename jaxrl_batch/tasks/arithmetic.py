@@ -7,7 +7,7 @@ Held-out problems: a fixed ~10% of all (a, op, b) triples, chosen by a salt-free
 independent of the config. Training never samples them; evaluation samples only them.
 
 The bundled tokenizer `assets/arith.model` is a character-level SentencePiece model (one piece per digit and per
-'+', '-', '='; pad=0, bos=1, eos=2, unk=3) trained on `tokenizer_corpus()`. One piece per character means
+'+', '-', '=', '.'; pad=0, bos=1, eos=2, unk=3) trained on `tokenizer_corpus()`. One piece per character means
 `encode(prompt) + encode(completion) == encode(prompt + completion)`, so SFT and RL see the same tokens. Regenerate
 it (deterministic) with:
 
@@ -186,7 +186,8 @@ class ArithmeticTask:
     return max(len(tokenizer.encode(p.prompt)) for p in self._extreme_problems())
 
   def max_answer_len(self, tokenizer: tokenizer_lib.Tokenizer) -> int:
-    """Longest correct completion in tokens, including the EOS token (exact as for `max_prompt_len`)."""
+    """Longest warm-start completion (strict or loose spelling) in tokens, including EOS (exact as for
+    `max_prompt_len`)."""
     return max(len(tokenizer.encode(text)) for p in self._extreme_problems()
                for text in [str(p.answer), *loose_formats(p.answer)]) + 1
 
