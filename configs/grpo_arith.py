@@ -20,11 +20,19 @@ from jaxrl_batch.tasks import arithmetic
 
 BASE_BATCH = 128  # B0: the family's reference member (16 prompts x 8 samples).
 BASE_LR = 5e-5  # lr0 at B0 (Adam).
+GROUP_SIZE = 8  # Samples per prompt when the family scales prompts per step.
+BASE_PROMPTS = BASE_BATCH // GROUP_SIZE  # Prompts per step when the family scales the group size.
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """`arg`: 'batch=<rollouts per update>,lr_rule=<none|linear|sqrt>,seed=<int>,debug'."""
-  arg = parse_arg(arg, batch=BASE_BATCH, lr_rule="sqrt", seed=0, debug=False)
+  """`arg`: 'batch=<rollouts per update>,lr_rule=<none|linear|sqrt|adam_sde>,seed=<int>,
+  family_axis=<prompts|group_size>,debug'.
+
+  Without `batch`, the member is the family's base (B0 = 128; 32 under `debug`).
+  """
+  arg = parse_arg(arg, batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", debug=False)
+  if arg.family_axis not in ("prompts", "group_size"):
+    raise ValueError(f"family_axis={arg.family_axis!r}: use prompts (group size fixed) or group_size.")
   c = ml_collections.ConfigDict()
   c.seed = arg.seed  # Seeds init, prompts and sampling; every step's randomness is derived from (seed, step).
 
@@ -56,9 +64,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sharding_rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes.
 
   c.algo = "grpo"  # RL algorithm.
-  c.batch_size = arg.batch  # B: rollouts per update (= prompts per step x group_size).
-  c.group_size = 8  # Samples per prompt; GRPO normalises rewards within each group.
-  c.micro_batch_size = 0  # Rollouts per forward/backward (gradient accumulation); 0 = the whole batch.
+  c.batch_size = arg.batch or BASE_BATCH  # B: rollouts per update (= prompts per step x group_size).
+  c.family_axis = arg.family_axis  # Batch axis the family scales: prompts (group size fixed) | group_size.
+  # Samples per prompt; GRPO normalises rewards within each group.
+  c.group_size = GROUP_SIZE if arg.family_axis == "prompts" else c.batch_size // BASE_PROMPTS
+  # Rollouts per forward/backward (gradient accumulation; 0 = the whole batch). With >= 2 micro-batches per update
+  # the trainer also logs the gradient noise scale B_simple (`noise_scale`).
+  c.micro_batch_size = 32
   c.grpo = ml_collections.ConfigDict(dict(
       clip_eps=0.2,  # PPO ratio clip epsilon.
       kl_coef=0.0,  # Weight of the k3 KL to the frozen base policy; 0 skips the reference model entirely.
@@ -102,8 +114,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg.debug:
     c.task.num_eval = 64
     c.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, d_ff=64)
-    c.batch_size = 32
-    c.group_size = 4
+    c.batch_size = arg.batch or 32
+    c.micro_batch_size = 8
+    c.group_size = 4 if arg.family_axis == "prompts" else c.batch_size // 8
     c.optim.warmup_samples = 32
     c.sample_budget = 128
     c.eval_every_samples = 64

@@ -6,7 +6,8 @@ default to True.
 import ml_collections
 
 
-def _convert(key: str, text: str, default):
+def convert(key: str, text: str, default):
+  """`text` as a value of `default`'s type; ValueError naming `key` if it does not parse."""
   if isinstance(default, bool):
     if text.lower() in ("1", "true", "yes"):
       return True
@@ -33,5 +34,21 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
         raise ValueError(f"Config arg {key!r} needs a value ({key}=...).")
       values[key] = True
     else:
-      values[key] = _convert(key, text.strip(), defaults[key])
+      values[key] = convert(key, text.strip(), defaults[key])
   return ml_collections.ConfigDict(values)
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
+  """Applies 'a.b.c=value' strings in place; the key must exist and the value parses as its current type."""
+  for item in overrides:
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise ValueError(f"Override {item!r} must look like key=value (e.g. sample_budget=4096).")
+    node, path = config, key.strip().split(".")
+    for name in path[:-1]:
+      if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
+        raise ValueError(f"Override {item!r}: {name!r} is not a config group.")
+      node = node[name]
+    if path[-1] not in node:
+      raise ValueError(f"Override {item!r}: unknown config key {key!r}.")
+    node[path[-1]] = convert(key, text.strip(), node[path[-1]])

@@ -4,13 +4,15 @@ A family is a base member (batch B0, learning rate lr0) plus a rule; the member 
   none:   lr0
   linear: lr0 * B / B0
   sqrt:   lr0 * sqrt(B / B0)
+  adam_sde: lr0 * sqrt(B / B0), and Adam's 1 - beta1 and 1 - beta2 multiplied by kappa = B / B0, epsilon divided
+            by sqrt(kappa) (the square-root scaling rule of Adam's SDE approximation, Malladi et al. 2022)
 Batch sizes count rollouts per optimizer update. An explicit learning rate overrides the rule, and the
 derivation records both so logs show what the rule would have given.
 """
 import dataclasses
 import math
 
-RULES = ("none", "linear", "sqrt")
+RULES = ("none", "linear", "sqrt", "adam_sde")
 
 
 def _check_rule(rule: str) -> None:
@@ -31,6 +33,20 @@ def scale_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
   if rule == "linear":
     return base_lr * batch / base_batch
   return base_lr * math.sqrt(batch / base_batch)
+
+
+def scale_adam(b1: float, b2: float, eps: float, base_batch: int, batch: int, rule: str) -> tuple[float, float, float]:
+  """Adam's (beta1, beta2, epsilon) for `batch`: changed only by the adam_sde rule."""
+  _check_rule(rule)
+  if rule != "adam_sde":
+    return b1, b2, eps
+  kappa = batch / base_batch
+  scaled = (1.0 - kappa * (1.0 - b1), 1.0 - kappa * (1.0 - b2))
+  if min(scaled) <= 0.0:
+    raise ValueError(f"adam_sde at batch {batch} (kappa = {kappa:g} x base_batch {base_batch}) makes "
+                     f"beta1, beta2 = {scaled[0]:g}, {scaled[1]:g}, which must stay in (0, 1); raise "
+                     "optim.b1/b2 or shrink the batch range.")
+  return scaled[0], scaled[1], eps / math.sqrt(kappa)
 
 
 def _fmt(x: float) -> str:
@@ -69,6 +85,8 @@ class LearningRate:
       return f"{base} * {self.batch}/{self.base_batch}"
     if self.rule == "sqrt":
       return f"{base} * sqrt({self.batch}/{self.base_batch})"
+    if self.rule == "adam_sde":
+      return f"{base} * sqrt({self.batch}/{self.base_batch}), Adam betas and eps rescaled"
     return f"{base} at any batch"
 
   def describe(self) -> str:

@@ -19,10 +19,12 @@ SCHEDULES = ("constant", "cosine")
 
 
 class Optimizer(NamedTuple):
-  """tx: the optax transformation; schedule: update count -> lr; lr: the peak lr and its derivation."""
+  """tx: the optax transformation; schedule: update count -> lr; lr: the peak lr and its derivation;
+  adam: the (beta1, beta2, epsilon) used (rescaled by the adam_sde rule)."""
   tx: optax.GradientTransformation
   schedule: Callable[[jax.Array | int], jax.Array]
   lr: family.LearningRate
+  adam: tuple[float, float, float]
 
 
 def sample_schedule(peak_lr: float, samples_per_update: int, warmup_samples: int, kind: str,
@@ -71,8 +73,9 @@ def make_optimizer(optim_cfg: Any, samples_per_update: int, sample_budget: int) 
                              optim_cfg.schedule, sample_budget, optim_cfg.final_lr_frac)
   if optim_cfg.grad_clip < 0:
     raise ValueError(f"grad_clip must be >= 0 (global norm; 0 disables), got {optim_cfg.grad_clip}.")
-  tx = optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                   weight_decay=optim_cfg.weight_decay)
+  b1, b2, eps = family.scale_adam(optim_cfg.b1, optim_cfg.b2, optim_cfg.eps, optim_cfg.base_batch,
+                                  samples_per_update, optim_cfg.lr_rule)
+  tx = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=optim_cfg.weight_decay)
   if optim_cfg.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(optim_cfg.grad_clip), tx)
-  return Optimizer(tx=tx, schedule=schedule, lr=lr)
+  return Optimizer(tx=tx, schedule=schedule, lr=lr, adam=(b1, b2, eps))

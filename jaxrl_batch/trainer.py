@@ -22,6 +22,7 @@ from jaxrl_batch.metrics import MetricsLog
 from jaxrl_batch.optim import make_optimizer
 from jaxrl_batch.rl import grpo
 from jaxrl_batch.rl.advantages import group_advantages, zero_std_group_frac
+from jaxrl_batch.rl.noise_scale import NoiseScale
 from jaxrl_batch.sampling import generate
 
 # Fields that may change when a run resumes; any other difference from workdir/config.json is refused.
@@ -66,6 +67,7 @@ class Trainer:
     self.loss_cfg = grpo.GRPOLossConfig(clip_eps=c.grpo.clip_eps, kl_coef=float(c.grpo.kl_coef),
                                         temperature=c.sampling.temperature or 1.0)
     self.num_micro = c.batch_size // (c.micro_batch_size or c.batch_size)
+    self.noise_scale = NoiseScale()  # Restarts on resume: an EMA, not part of the training state.
     self.metrics = MetricsLog(os.path.join(self.workdir, "metrics.jsonl"))
 
   # -- run directory ---------------------------------------------------------------------------------------------
@@ -74,7 +76,8 @@ class Trainer:
     return dict(config=_json_config(self.config),
                 derived=dict(num_prompts=self.num_prompts, total_steps=self.total_steps,
                              lr=self.optimizer.lr.lr, lr_derivation=self.optimizer.lr.describe(),
-                             lr_overridden=self.optimizer.lr.overridden, num_params=self.exp.model_cfg.num_params(),
+                             lr_overridden=self.optimizer.lr.overridden, adam_b1_b2_eps=self.optimizer.adam,
+                             num_params=self.exp.model_cfg.num_params(),
                              base_policy=base_dir))
 
   def check_workdir(self) -> None:
@@ -137,8 +140,15 @@ class Trainer:
                zero_std_group_frac=float(zero_std_group_frac(jnp.asarray(rewards_B), c.group_size)),
                reward_errors=errors, kl=out["kl"], clip_frac=out["clip_frac"], entropy=out["entropy"],
                grad_norm=out["grad_norm"], loss=out["loss"], policy_loss=out["policy_loss"],
-               ratio_mean=out["ratio_mean"], logp_gap_mean=out["logp_gap"])
+               ratio_mean=out["ratio_mean"], logp_gap_mean=out["logp_gap"], noise_scale=self._noise_scale(out))
     return params, opt_state, row
+
+  def _noise_scale(self, out) -> float | None:
+    """B_simple in rollouts (EMA over steps); None without micro-batching (it needs two batch sizes)."""
+    if self.num_micro < 2:
+      return None
+    b = self.config.batch_size
+    return self.noise_scale.update(float(out["micro_grad_sq"]), float(out["grad_norm"]) ** 2, b // self.num_micro, b)
 
   # -- the loop --------------------------------------------------------------------------------------------------
 

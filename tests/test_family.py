@@ -18,7 +18,7 @@ def test_scale_lr(rule, batch, expected):
 
 
 @pytest.mark.parametrize("args, match", [
-    ((2e-4, 128, 256, "cubic"), r"Unknown lr rule 'cubic'; use one of \('none', 'linear', 'sqrt'\)"),
+    ((2e-4, 128, 256, "cubic"), r"Unknown lr rule 'cubic'; use one of \('none', 'linear', 'sqrt', 'adam_sde'\)"),
     ((0.0, 128, 256, "sqrt"), "base_lr must be > 0"),
     ((2e-4, 0, 256, "sqrt"), "base_batch=0"),
     ((2e-4, 128, -1, "none"), "batch=-1"),
@@ -56,3 +56,16 @@ def test_override_wins_and_is_described():
 def test_override_still_validates_rule():
   with pytest.raises(ValueError, match="Unknown lr rule 'sqrtt'"):
     family.derive_lr(2e-4, 128, 256, "sqrtt", lr_override=1e-3)
+
+
+def test_adam_sde_scales_lr_betas_and_eps():
+  # kappa = 4: lr x 2, 1 - b1 = 0.1 -> 0.4, 1 - b2 = 0.001 -> 0.004, eps / 2.
+  assert family.scale_lr(1e-4, 128, 512, "adam_sde") == pytest.approx(2e-4)
+  b1, b2, eps = family.scale_adam(0.9, 0.999, 1e-8, 128, 512, "adam_sde")
+  assert (b1, b2, eps) == (pytest.approx(0.6), pytest.approx(0.996), pytest.approx(5e-9))
+  assert family.scale_adam(0.9, 0.999, 1e-8, 128, 512, "sqrt") == (0.9, 0.999, 1e-8)
+
+
+def test_adam_sde_refuses_a_batch_that_breaks_beta1():
+  with pytest.raises(ValueError, match="beta1, beta2 = -0.6, 0.984"):
+    family.scale_adam(0.9, 0.999, 1e-8, 128, 16 * 128, "adam_sde")

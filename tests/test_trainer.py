@@ -17,7 +17,7 @@ from jaxrl_batch.trainer import Trainer
 
 ONE_DEVICE = jax.devices()[:1]
 TRAIN_FIELDS = {"step", "samples", "wall_s", "rollout_s", "update_s", "lr", "reward_mean", "response_len_mean", "kl",
-                "clip_frac", "entropy", "grad_norm"}
+                "clip_frac", "entropy", "grad_norm", "noise_scale"}
 EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy"}
 
 

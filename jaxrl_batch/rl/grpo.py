@@ -44,7 +44,8 @@ def update(params, opt_state, batch: TrainBatch, *, graphdef, tx: optax.Gradient
   """One optimizer step on `batch`, accumulating gradients over `num_micro` equal micro-batches.
 
   Every micro-batch loss is normalised by the token count of the whole batch, so the summed gradient does not
-  depend on `num_micro`. Returns (params, opt_state, metrics dict of scalars).
+  depend on `num_micro`. Returns (params, opt_state, metrics dict of scalars); `micro_grad_sq` is the mean squared
+  norm of the micro-batch mean gradients (for the gradient noise scale).
   """
   num_tokens = jnp.sum(batch.loss_mask_BxT)
   grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
@@ -52,17 +53,20 @@ def update(params, opt_state, batch: TrainBatch, *, graphdef, tx: optax.Gradient
   micro_batches = split_micro_batches(batch, num_micro)
 
   def micro_grads(micro):
-    return grad_fn(params, graphdef, micro, num_tokens, cfg)
+    (loss, aux), grads = grad_fn(params, graphdef, micro, num_tokens, cfg)
+    # Each micro gradient is normalised by the whole batch's tokens; x num_micro makes it (about) its own mean.
+    return (loss, aux, grads), optax.tree.norm(grads, squared=True) * num_micro**2
 
   def accumulate(total, micro):
     return jax.tree.map(jnp.add, total, micro_grads(micro)), None
 
   shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro_batches))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  ((loss, aux), grads), _ = jax.lax.scan(accumulate, zeros, micro_batches)
+  ((loss, aux, grads), micro_sq_sum), _ = jax.lax.scan(accumulate, zeros, micro_batches)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads), num_tokens=num_tokens)
+  metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads), num_tokens=num_tokens,
+                 micro_grad_sq=micro_sq_sum / num_micro)
   return params, opt_state, metrics
 
 

@@ -1,0 +1,59 @@
+"""The decision: is member B faster to the target than the reference member B0, and why.
+
+- gain = R(B) / R(B0): throughput ratio (> 1: more samples per second).
+- penalty = S(B) / S(B0): samples-to-target ratio (> 1: more samples needed).
+- predicted_time_ratio = penalty / gain; measured_time_ratio = T(B) / T(B0); all from member means.
+- verdict: "faster" if measured_time_ratio < 1 else "slower"; "reference" for B0 itself; "censored" (and
+  penalty / predicted / measured None) if either member has no seed reaching the target. gain is always given.
+- Family range of a rule: starting at its batch nearest B0, the contiguous run of its batches whose invariance gap
+  (mean |accuracy - reference accuracy| over shared samples) is <= the tolerance; None if that first batch is over.
+The default reference is the smallest batch of the `sqrt` rule, else the smallest batch overall.
+"""
+import re
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+  return None if a is None or b is None else a / b
+
+
+def choose_reference(summaries: list[dict], reference: str | None) -> dict:
+  """The reference member's summary: `reference` ('<rule>_b<batch>') or the default."""
+  names = [m["member"] for m in summaries]
+  if reference is None:
+    sqrt = [m for m in summaries if m["rule"] == "sqrt"]
+    return min(sqrt or summaries, key=lambda m: (m["batch"], m["rule"]))
+  if not re.fullmatch(r"\w+_b\d+", reference):
+    raise ValueError(f"reference {reference!r} is not '<rule>_b<batch>' (e.g. 'sqrt_b64'); members: {names}.")
+  if reference not in names:
+    raise ValueError(f"reference {reference!r} is not in the study; pick one of {names}.")
+  return summaries[names.index(reference)]
+
+
+def decide(member: dict, ref: dict) -> dict:
+  """gain, penalty, predicted/measured time ratios and verdict of `member` against `ref` (summaries)."""
+  gain = _ratio(member["throughput_samples_per_s"], ref["throughput_samples_per_s"])
+  if member["samples_to_target"] is None or ref["samples_to_target"] is None:
+    return dict(gain=gain, penalty=None, predicted_time_ratio=None, measured_time_ratio=None, verdict="censored")
+  penalty = _ratio(member["samples_to_target"], ref["samples_to_target"])
+  measured = _ratio(member["time_to_target_s"], ref["time_to_target_s"])
+  if member["member"] == ref["member"]:
+    verdict = "reference"
+  else:
+    verdict = "faster" if measured < 1 else "slower"
+  return dict(gain=gain, penalty=penalty, predicted_time_ratio=penalty / gain, measured_time_ratio=measured,
+              verdict=verdict)
+
+
+def family_range(gaps: dict[int, float | None], reference_batch: int, tol: float) -> list[int] | None:
+  """[min, max] batch of the contiguous batches around the one nearest `reference_batch` with gap <= `tol`."""
+  batches = sorted(gaps)
+  ok = [gaps[b] is not None and gaps[b] <= tol for b in batches]
+  start = min(range(len(batches)), key=lambda i: (abs(batches[i] - reference_batch), batches[i]))
+  if not ok[start]:
+    return None
+  lo = hi = start
+  while lo > 0 and ok[lo - 1]:
+    lo -= 1
+  while hi < len(batches) - 1 and ok[hi + 1]:
+    hi += 1
+  return [batches[lo], batches[hi]]

@@ -1,0 +1,56 @@
+"""Batch-size planner: predict time-to-target T(B) = S(B) / R(B) for batches that were never trained to target.
+
+- S(B), samples to target, follows the form S(B) = S_min * (1 + B / B_noise) (McCandlish et al. 2018): linear in
+  B with intercept S_min and slope S_min / B_noise, fitted by least squares to the members that reached the target.
+- R(B), samples per second, is measured directly by a short throughput sweep (a few steps per batch, no training to
+  target), and linearly interpolated in log B between swept batches.
+The recommendation is the swept batch with the smallest predicted T. A fit with slope <= 0 (no samples penalty
+observed) has B_noise = inf: S is flat and the planner then prefers the fastest batch.
+"""
+import math
+
+import numpy as np
+
+
+def fit_samples_model(batches, samples_to_target) -> tuple[float, float]:
+  """(S_min, B_noise) of S(B) = S_min (1 + B / B_noise) by least squares; needs >= 2 distinct batches."""
+  b = np.asarray(batches, float)
+  s = np.asarray(samples_to_target, float)
+  if len(set(b.tolist())) < 2:
+    raise ValueError(f"Fitting S(B) needs members at >= 2 batch sizes that reached the target; got {sorted(b)}.")
+  slope, intercept = np.polyfit(b, s, 1)
+  if intercept <= 0:
+    raise ValueError(f"The S(B) fit has a non-positive S_min ({intercept:.3g}); the measured S do not follow "
+                     "S_min (1 + B / B_noise). Run more seeds or batches.")
+  return float(intercept), (float(intercept / slope) if slope > 0 else math.inf)
+
+
+def predicted_samples(batch: float, s_min: float, b_noise: float) -> float:
+  return s_min * (1.0 + batch / b_noise)
+
+
+def interpolate_throughput(batch: float, swept: dict[int, float]) -> float:
+  """R at `batch` from a sweep {B: samples/s}, linear in log B (clamped at the ends)."""
+  xs = sorted(swept)
+  return float(np.interp(math.log(batch), [math.log(x) for x in xs], [swept[x] for x in xs]))
+
+
+def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]]) -> dict:
+  """Predicted T(B) at every swept batch, and predicted vs measured T where a member was trained.
+
+  Args:
+    swept: {batch: measured samples/s} from the throughput sweep.
+    measured: {batch: (samples_to_target, time_to_target_s)} of the study's members of one rule (None: censored).
+  """
+  reached = {b: st for b, st in measured.items() if st[0] is not None}
+  s_min, b_noise = fit_samples_model(list(reached), [st[0] for st in reached.values()])
+  rows = []
+  for batch in sorted(set(swept) | set(measured)):
+    rate = swept[batch] if batch in swept else interpolate_throughput(batch, swept)
+    samples = predicted_samples(batch, s_min, b_noise)
+    measured_t = measured.get(batch, (None, None))[1]
+    rows.append(dict(batch=batch, throughput_samples_per_s=rate, predicted_samples_to_target=samples,
+                     predicted_time_to_target_s=samples / rate, measured_time_to_target_s=measured_t,
+                     swept=batch in swept))
+  best = min((r for r in rows if r["swept"]), key=lambda r: r["predicted_time_to_target_s"])
+  return dict(s_min=s_min, b_noise=b_noise, rows=rows, recommended_batch=best["batch"])

@@ -1,0 +1,91 @@
+"""report.md: the decision table, the answer in one paragraph, the definitions and the skipped runs."""
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+  if x is None:
+    return "-"
+  return f"{x:,.0f}" if abs(x) >= 10**digits else f"{x:.{digits}g}"
+
+
+def _with_ci(x: float | None, ci: list[float] | None) -> str:
+  return "-" if x is None else f"{_num(x)} [{_num(ci[0])}, {_num(ci[1])}]"
+
+
+def _ratio(x: float | None) -> str:
+  return "-" if x is None else f"{x:.2f}x"
+
+
+def decision_table(analysis: dict) -> str:
+  """Markdown table: one row per member."""
+  lines = ["| member | seeds | S samples [90% CI] | T s [90% CI] | R samples/s | gain | penalty | predicted | "
+           "measured | verdict | gap |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for m in analysis["members"]:
+    seeds = f"{m['n_seeds']}" + (f" ({m['n_censored']} censored)" if m["n_censored"] else "")
+    lines.append(" | ".join([
+        f"| {m['member']}", seeds, _with_ci(m["samples_to_target"], m["samples_to_target_ci"]),
+        _with_ci(m["time_to_target_s"], m["time_to_target_ci"]),
+        _with_ci(m["throughput_samples_per_s"], m["throughput_ci"]), _ratio(m["gain"]), _ratio(m["penalty"]),
+        _ratio(m["predicted_time_ratio"]), _ratio(m["measured_time_ratio"]), m["verdict"],
+        _num(m["invariance_gap"], 2)]) + " |")
+  return "\n".join(lines)
+
+
+def _families(analysis: dict) -> list[str]:
+  tol = analysis["invariance_tol"]
+  out = []
+  for rule, family in analysis["families"].items():
+    if family["range"] is None:
+      out.append(f"`{rule}` keeps no batch within {tol} of the reference curve.")
+    else:
+      lo, hi = family["range"]
+      batches = f"only at batch {lo}" if lo == hi else f"over batches {lo}..{hi}"
+      out.append(f"`{rule}` keeps the accuracy-vs-samples curve within {tol} of the reference {batches}.")
+  return out
+
+
+def _best(analysis: dict, ref: dict) -> str:
+  reached = [m for m in analysis["members"] if m["measured_time_ratio"] is not None]
+  if not reached:
+    return f"No member's time to accuracy {analysis['target']} can be compared with the reference (censored)."
+  best = min(reached, key=lambda m: m["time_to_target_s"])
+  if best["member"] == ref["member"]:
+    return (f"No member reaches accuracy {analysis['target']} sooner than the reference "
+            f"({_num(best['time_to_target_s'])} s).")
+  return (f"The fastest to accuracy {analysis['target']} is {best['member']}: {_num(best['time_to_target_s'])} s of "
+          f"training, {_ratio(best['measured_time_ratio'])} the reference's {_num(ref['time_to_target_s'])} s "
+          f"(predicted {_ratio(best['predicted_time_ratio'])} = penalty {_ratio(best['penalty'])} / "
+          f"gain {_ratio(best['gain'])}).")
+
+
+def _untuned(analysis: dict, ref: dict) -> str:
+  larger = [m for m in analysis["members"] if m["rule"] == "none" and m["batch"] > ref["batch"]]
+  if not larger:
+    return "The study has no un-retuned (`none`) member larger than the reference batch."
+  each = ", ".join(f"{m['member']} {m['verdict']}" + (f" ({_ratio(m['measured_time_ratio'])})"
+                                                       if m["measured_time_ratio"] is not None else "")
+                   for m in larger)
+  answer = "yes" if all(m["verdict"] in ("slower", "censored") for m in larger) else "not all"
+  return f"Are the un-retuned (`none`) larger batches slower? {answer}: {each}."
+
+
+def conclusion(analysis: dict) -> str:
+  """One paragraph: curve alignment per rule, the best member against the reference, the `none` control."""
+  ref = next(m for m in analysis["members"] if m["member"] == analysis["reference"])
+  return " ".join(_families(analysis) + [_best(analysis, ref), _untuned(analysis, ref)])
+
+
+def render(analysis: dict) -> str:
+  """The whole report.md."""
+  parts = [
+      f"# Batch study: time to accuracy {analysis['target']}",
+      f"Reference member: {analysis['reference']}; smoothing: {analysis['smooth']} evaluation point(s); "
+      f"invariance tolerance: {analysis['invariance_tol']}. Ratios are against the reference "
+      "(measured < 1: faster). Censored: no seed reached the target.",
+      decision_table(analysis),
+      conclusion(analysis),
+      "## Definitions\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in analysis["definitions"].items()),
+  ]
+  if analysis["skipped"]:
+    parts.append("## Skipped\n\n" + "\n".join(f"- `{s['dir']}`: {s['reason']}" for s in analysis["skipped"]))
+  return "\n\n".join(parts) + "\n"

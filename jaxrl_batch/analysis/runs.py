@@ -1,0 +1,133 @@
+"""Reads a study directory: one run per subdirectory `<rule>_b<batch>_s<seed>/` written by `launch.train`.
+
+Batch, rule and seed come from each run's `config.json` (the directory name is only a label). Subdirectories
+without `config.json` or `metrics.jsonl`, or whose log has fewer than 2 training rows or no evaluation row yet,
+are skipped and listed with the reason; anything malformed is an error naming the file.
+"""
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+PHASES = ("rollout_s", "reward_s", "update_s")  # Per-step phase seconds of a training row.
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One training run.
+
+  Attributes:
+    name: the run's directory name.
+    rule: learning-rate rule of its family (`config.optim.lr_rule`).
+    batch: rollouts per update (`config.batch_size`).
+    seed: `config.seed`.
+    sample_budget: samples the run was configured to train on.
+    eval_samples: (E,) cumulative samples at each evaluation, increasing.
+    eval_accuracy: (E,) held-out accuracy (0..1) at those samples.
+    train_samples: (N,) cumulative samples after each training step, increasing; N >= 2.
+    phase_s: (N, 3) seconds of each step in rollout / reward / update.
+  """
+  name: str
+  rule: str
+  batch: int
+  seed: int
+  sample_budget: int
+  eval_samples: np.ndarray
+  eval_accuracy: np.ndarray
+  train_samples: np.ndarray
+  phase_s: np.ndarray
+
+  @property
+  def member(self) -> str:
+    return f"{self.rule}_b{self.batch}"
+
+  @property
+  def finished(self) -> bool:
+    return bool(self.train_samples[-1] >= self.sample_budget)
+
+
+def _read_config(path: str) -> tuple[str, int, int, int]:
+  try:
+    with open(path) as f:
+      config = json.load(f)["config"]
+    return config["optim"]["lr_rule"], int(config["batch_size"]), int(config["seed"]), int(config["sample_budget"])
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f"{path} is not a launch.train config.json (needs config.batch_size, config.seed, "
+                     f"config.sample_budget, config.optim.lr_rule): {e!r}. Remove the run or rewrite it.") from e
+
+
+def _read_rows(path: str) -> tuple[list[dict], list[dict]]:
+  """(training rows, evaluation rows) of a metrics.jsonl."""
+  train, evals = [], []
+  with open(path) as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+        if "eval_accuracy" in row:
+          evals.append(dict(samples=float(row["samples"]), accuracy=float(row["eval_accuracy"])))
+        else:
+          train.append(dict(samples=float(row["samples"]), phases=[float(row[p]) for p in PHASES]))
+      except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}:{line_no} is not a metrics row (training rows need samples, "
+                         f"{', '.join(PHASES)}; evaluation rows samples, eval_accuracy): {e!r}. "
+                         "Fix or delete that line.") from e
+  return train, evals
+
+
+def _increasing(values: np.ndarray, path: str, what: str) -> None:
+  if np.any(np.diff(values) <= 0):
+    raise ValueError(f"{path}: {what} samples are not strictly increasing; the log mixes two runs. "
+                     "Rerun the member in a fresh directory.")
+
+
+def _read_run(run_dir: str, name: str) -> Run | str:
+  """The run in `run_dir`, or the reason it is skipped."""
+  config_path, metrics_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "metrics.jsonl")
+  missing = [os.path.basename(p) for p in (config_path, metrics_path) if not os.path.isfile(p)]
+  if missing:
+    return f"no {' or '.join(missing)}"
+  rule, batch, seed, budget = _read_config(config_path)
+  train, evals = _read_rows(metrics_path)
+  if len(train) < 2:
+    return f"{len(train)} training rows (needs 2: the first is excluded as compile time)"
+  if not evals:
+    return "no evaluation rows"
+  run = Run(name=name, rule=rule, batch=batch, seed=seed, sample_budget=budget,
+            eval_samples=np.array([r["samples"] for r in evals]),
+            eval_accuracy=np.array([r["accuracy"] for r in evals]),
+            train_samples=np.array([r["samples"] for r in train]),
+            phase_s=np.array([r["phases"] for r in train]))
+  _increasing(run.eval_samples, metrics_path, "evaluation")
+  _increasing(run.train_samples, metrics_path, "training")
+  if np.any(run.phase_s < 0) or run.phase_s[1:].sum() <= 0:
+    raise ValueError(f"{metrics_path}: phase seconds must be >= 0 and sum to > 0 after the first training row.")
+  return run
+
+
+def load_study(study_dir: str) -> tuple[list[Run], list[dict]]:
+  """(runs sorted by rule, batch, seed; skipped subdirectories as {dir, reason})."""
+  if not os.path.isdir(study_dir):
+    raise ValueError(f"Study directory {study_dir!r} does not exist; pass the directory holding the run "
+                     "subdirectories (<rule>_b<batch>_s<seed>/).")
+  runs, skipped, seen = [], [], {}
+  for name in sorted(os.listdir(study_dir)):
+    run_dir = os.path.join(study_dir, name)
+    if not os.path.isdir(run_dir):
+      continue
+    run = _read_run(run_dir, name)
+    if isinstance(run, str):
+      skipped.append(dict(dir=name, reason=run))
+      continue
+    key = (run.rule, run.batch, run.seed)
+    if key in seen:
+      raise ValueError(f"{seen[key]} and {name} in {study_dir} are the same run (rule {run.rule}, batch {run.batch}, "
+                       f"seed {run.seed}); remove one or give them different seeds.")
+    seen[key] = name
+    runs.append(run)
+  if not runs:
+    raise ValueError(f"No runs in {study_dir}: expected subdirectories <rule>_b<batch>_s<seed>/ holding config.json "
+                     f"and metrics.jsonl (launch.train --workdir=...); skipped: {skipped or 'nothing found'}.")
+  return sorted(runs, key=lambda r: (r.rule, r.batch, r.seed)), skipped

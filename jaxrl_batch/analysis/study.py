@@ -1,0 +1,74 @@
+"""`analyze`: a study directory of runs -> analysis.json, report.md and four PNG plots, written into it."""
+import json
+import math
+import os
+
+from jaxrl_batch.analysis import decision, members, plots, report
+from jaxrl_batch.analysis.curves import check_smooth, mean_abs_gap
+from jaxrl_batch.analysis.runs import load_study
+
+DEFINITIONS = {
+    "eval_curve": "held-out accuracy vs samples from evaluation rows; smooth=k (odd) is a centred moving average "
+                  "over k points, the window shrinking symmetrically at the ends",
+    "samples_to_target": "S: first crossing of the target, linearly interpolated between the evaluation points "
+                         "around it (the first point's samples if it is already >= target); never reached: "
+                         "censored (None), counted in n_censored",
+    "training_clock": "cumulative rollout_s + reward_s + update_s of training rows (evaluation and checkpoint time "
+                      "excluded); the first row's seconds (compile time) are replaced by its samples / R",
+    "time_to_target_s": "T: the training clock at S, linearly interpolated in samples between training rows",
+    "throughput_samples_per_s": "R: samples of training rows except the first / their summed phase seconds; "
+                                "<phase>_s_per_sample splits 1/R into rollout, reward, update",
+    "aggregate": "member = (rule, batch); S and T are means over seeds that reached the target, R the mean over "
+                 "all seeds; *_ci: 90% percentile bootstrap over seeds (2000 resamples, fixed seed), [x, x] for "
+                 "one seed",
+    "decision": "against the reference member: gain = R/R0, penalty = S/S0, predicted_time_ratio = penalty/gain, "
+                "measured_time_ratio = T/T0; verdict faster if measured < 1, else slower; censored if either "
+                "member never reached the target",
+    "invariance_gap": "mean |seed-mean accuracy - reference seed-mean accuracy| over the samples both cover",
+    "family_range": "per rule, the contiguous batches around the reference batch with invariance_gap <= "
+                    "invariance_tol",
+}
+
+
+def _check(target: float, smooth: int, invariance_tol: float) -> None:
+  if not (math.isfinite(target) and 0 < target <= 1):
+    raise ValueError(f"target must be a held-out accuracy in (0, 1], got {target}.")
+  if invariance_tol < 0:
+    raise ValueError(f"invariance_tol must be >= 0 (accuracy units), got {invariance_tol}.")
+  check_smooth(smooth)
+
+
+def analyze(study_dir: str, target: float, reference: str | None = None, smooth: int = 1,
+            invariance_tol: float = 0.05) -> dict:
+  """Analyses every run under `study_dir` at accuracy `target`; writes and returns analysis.json's content.
+
+  Args:
+    study_dir: directory of run subdirectories `<rule>_b<batch>_s<seed>/` (config.json, metrics.jsonl).
+    target: held-out accuracy (0..1) to reach.
+    reference: member '<rule>_b<batch>' the others are compared with; None: the smallest `sqrt` batch, else the
+      smallest batch.
+    smooth: odd number of evaluation points in the centred moving average (1 = none).
+    invariance_tol: largest invariance gap (accuracy units) of a batch inside its rule's family range.
+  """
+  _check(target, smooth, invariance_tol)
+  runs, skipped = load_study(study_dir)
+  study = members.group([members.seed_result(r, target, smooth) for r in runs])
+  summaries = [m.summary() for m in study]
+  ref = decision.choose_reference(summaries, reference)
+  ref_member = next(m for m in study if m.name == ref["member"])
+  for member, summary in zip(study, summaries):
+    summary.update(decision.decide(summary, ref), invariance_gap=mean_abs_gap(member.curve, ref_member.curve),
+                   seeds=[r.to_json() for r in member.seeds])
+  families = {}
+  for rule in sorted({m.rule for m in study}):
+    gaps = {s["batch"]: s["invariance_gap"] for s in summaries if s["rule"] == rule}
+    families[rule] = dict(reference_batch=ref["batch"],
+                          range=decision.family_range(gaps, ref["batch"], invariance_tol))
+  analysis = dict(target=target, reference=ref["member"], smooth=smooth, invariance_tol=invariance_tol,
+                  definitions=DEFINITIONS, members=summaries, families=families, skipped=skipped)
+  analysis["files"] = ["analysis.json", "report.md"] + plots.write(study, summaries, target, study_dir)
+  with open(os.path.join(study_dir, "analysis.json"), "w") as f:
+    json.dump(analysis, f, indent=2)
+  with open(os.path.join(study_dir, "report.md"), "w") as f:
+    f.write(report.render(analysis))
+  return analysis

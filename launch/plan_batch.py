@@ -1,0 +1,55 @@
+r"""Recommends a batch size: T(B) = S(B) / R(B) from a throughput sweep and the S(B) fit of an analysed study.
+
+  python -m launch.analyze --workdir=/tmp/arith_study --target=0.9
+  python -m launch.plan_batch --config=configs/grpo_arith.py --workdir=/tmp/arith_study --rule=sqrt \
+      --batches=32,64,128,256,512,1024 --steps=4
+
+The sweep runs a few steps per batch (in WORKDIR/throughput/b<B>/, resumable); S(B) = S_min (1 + B / B_noise) is fitted
+to the rule's members in WORKDIR/analysis.json. Writes WORKDIR/plan.json and prints predicted vs measured T.
+"""
+import json
+import os
+
+from absl import app, flags
+
+from jaxrl_batch.analysis import planner
+from jaxrl_batch.study import throughput_sweep
+from launch import logs
+
+flags.DEFINE_string("config", None, "Config file of the study, optionally with base args.")
+flags.DEFINE_string("workdir", None, "Study directory holding analysis.json (run launch.analyze first).")
+flags.DEFINE_string("rule", "sqrt", "The family rule to plan for.")
+flags.DEFINE_list("batches", ["32", "64", "128", "256", "512", "1024"], "Batches of the throughput sweep.")
+flags.DEFINE_integer("steps", 4, "Training steps per swept batch (the first, compiling, is not timed).")
+flags.DEFINE_multi_string("set", [], "key=value override applied to every swept run (as in launch.study).")
+flags.mark_flags_as_required(["config", "workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  logs.setup()
+  path = os.path.join(FLAGS.workdir, "analysis.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} is missing: run `python -m launch.analyze --workdir={FLAGS.workdir} "
+                            "--target=...` first.")
+  with open(path) as f:
+    analysis = json.load(f)
+  measured = {m["batch"]: (m["samples_to_target"], m["time_to_target_s"])
+              for m in analysis["members"] if m["rule"] == FLAGS.rule}
+  swept = throughput_sweep(FLAGS.config, os.path.join(FLAGS.workdir, "throughput"),
+                           [int(b) for b in FLAGS.batches], FLAGS.rule, FLAGS.steps, FLAGS.set)
+  result = dict(planner.plan(swept, measured), rule=FLAGS.rule, target=analysis["target"])
+  with open(os.path.join(FLAGS.workdir, "plan.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to reach {result['target']}")
+  print(f"{'batch':>6} {'R (samples/s)':>14} {'S pred':>9} {'T pred (s)':>11} {'T measured (s)':>15}")
+  for r in result["rows"]:
+    measured_t = "-" if r["measured_time_to_target_s"] is None else f"{r['measured_time_to_target_s']:.1f}"
+    print(f"{r['batch']:>6} {r['throughput_samples_per_s']:>14.1f} {r['predicted_samples_to_target']:>9.0f} "
+          f"{r['predicted_time_to_target_s']:>11.1f} {measured_t:>15}")
+  print(f"Recommended batch: {result['recommended_batch']} (wrote {os.path.join(FLAGS.workdir, 'plan.json')})")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,239 @@
+"""Tests for the study analysis, on synthetic run directories with known S, T and R.
+
+Every synthetic step takes 0.5 s (rollout 0.25 + reward 0.125 + update 0.125) except the first, which adds 30 s
+of "compile"; so R = batch / 0.5 samples/s and the training clock at samples s is s / R.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxrl_batch.analysis import analyze, clock, curves
+from jaxrl_batch.analysis.bootstrap import mean_ci
+
+STEP_S = (0.25, 0.125, 0.125)  # rollout, reward, update seconds of every step.
+COMPILE_S = 30.0  # Extra rollout seconds of the first step.
+MEMBER_FIELDS = {
+    "batch", "rule", "samples_to_target", "samples_to_target_ci", "time_to_target_s", "time_to_target_ci",
+    "throughput_samples_per_s", "throughput_ci", "rollout_s_per_sample", "reward_s_per_sample",
+    "update_s_per_sample", "gain", "penalty", "predicted_time_ratio", "measured_time_ratio", "verdict",
+    "invariance_gap", "n_seeds", "n_censored", "seeds"}
+
+
+def write_run(root, rule, batch, evals, seed=0, budget=1024, steps=None, name=None):
+  """A run dir with evaluation points `evals` [(samples, accuracy)] and `steps` training rows (default: budget)."""
+  run_dir = root / (name or f"{rule}_b{batch}_s{seed}")
+  run_dir.mkdir()
+  config = dict(config=dict(batch_size=batch, seed=seed, sample_budget=budget, optim=dict(lr_rule=rule)),
+                derived=dict(lr=1e-4))
+  (run_dir / "config.json").write_text(json.dumps(config))
+  rows = []
+  for step in range(1, (steps or budget // batch) + 1):
+    rollout = STEP_S[0] + (COMPILE_S if step == 1 else 0.0)
+    rows.append(dict(step=step, samples=step * batch, wall_s=0.5 * step, rollout_s=rollout, reward_s=STEP_S[1],
+                     update_s=STEP_S[2], reward_mean=0.5))
+  rows += [dict(step=s // batch, samples=s, wall_s=0.0, eval_accuracy=a) for s, a in evals]
+  rows.sort(key=lambda r: (r["samples"], "eval_accuracy" in r))
+  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return run_dir
+
+
+def linear(slope, start=0.4, end=1024, every=256):
+  """Evaluation points of accuracy = start + slope * samples / 1024."""
+  return [(s, start + slope * s / 1024) for s in range(0, end + 1, every)]
+
+
+def reaching(s_true, end=1024):
+  """Evaluation points crossing accuracy 0.6 exactly at samples `s_true` (linear from 0.4 at 0)."""
+  return [(s, 0.4 + 0.2 * s / s_true) for s in range(0, end + 1, 256)]
+
+
+def by_name(analysis):
+  return {m["member"]: m for m in analysis["members"]}
+
+
+def test_samples_to_target_interpolates_between_eval_points():
+  samples, accuracy = np.array([0, 256, 512, 768]), np.array([0.4, 0.5, 0.7, 0.9])
+  assert curves.samples_to_target(samples, accuracy, 0.6) == pytest.approx(384)  # 256 + 0.1/0.2 * 256
+  assert curves.samples_to_target(samples, accuracy, 0.7) == 512
+  assert curves.samples_to_target(samples, accuracy, 0.3) == 0  # Already there at the first point.
+  assert curves.samples_to_target(samples, accuracy, 0.95) is None
+
+
+def test_clock_excludes_first_row_and_interpolates_in_samples():
+  train_samples = np.array([64, 128, 192])
+  phase_s = np.array([[30.0, 0, 0], [1.0, 0, 0], [2.0, 0.5, 0.5]])  # Steps 2..3: 128 samples in 4 s.
+  assert clock.throughput(train_samples, phase_s) == 32
+  np.testing.assert_allclose(clock.seconds_per_sample(train_samples, phase_s), [3 / 128, 0.5 / 128, 0.5 / 128])
+  # Knots: (0, 0), (64, 64/32 = 2), (128, 3), (192, 6).
+  np.testing.assert_allclose(clock.clock_at(train_samples, phase_s, [32, 64, 96, 160]), [1, 2, 2.5, 4.5])
+
+
+def test_single_run_S_T_R_exact(tmp_path):
+  write_run(tmp_path, "sqrt", 64, [(0, 0.4), (256, 0.5), (512, 0.7), (768, 0.9), (1024, 0.95)])
+  m = by_name(analyze(str(tmp_path), target=0.6))["sqrt_b64"]
+  assert m["samples_to_target"] == pytest.approx(384)
+  assert m["time_to_target_s"] == pytest.approx(3.0)  # 384 samples at 128 samples/s; the 30 s compile excluded.
+  assert m["throughput_samples_per_s"] == pytest.approx(128)
+  assert [m[f"{p}_s_per_sample"] for p in ("rollout", "reward", "update")] == pytest.approx(
+      [0.25 / 64, 0.125 / 64, 0.125 / 64])
+  assert m["samples_to_target_ci"] == [m["samples_to_target"]] * 2
+  assert m["time_to_target_ci"] == [m["time_to_target_s"]] * 2
+  assert m["throughput_ci"] == [m["throughput_samples_per_s"]] * 2
+  assert (m["n_seeds"], m["n_censored"], m["verdict"], m["gain"], m["invariance_gap"]) == (1, 0, "reference", 1, 0)
+  assert m["seeds"] == [dict(dir="sqrt_b64_s0", seed=0, samples_to_target=m["samples_to_target"],
+                             time_to_target_s=m["time_to_target_s"], throughput_samples_per_s=128.0,
+                             finished=True, censored=False)]
+
+
+def test_bootstrap_interval_brackets_the_mean(tmp_path):
+  for seed, s_true in enumerate((384, 512, 640)):
+    write_run(tmp_path, "sqrt", 64, reaching(s_true), seed=seed)
+  m = by_name(analyze(str(tmp_path), target=0.6))["sqrt_b64"]
+  assert m["samples_to_target"] == pytest.approx(512)
+  lo, hi = m["samples_to_target_ci"]
+  assert 384 <= lo < 512 < hi <= 640
+  assert m["time_to_target_ci"] == pytest.approx([lo / 128, hi / 128])
+  assert mean_ci([]) is None
+  assert mean_ci([2.5]) == [2.5, 2.5]
+
+
+def test_censored_seed_is_counted_not_dropped(tmp_path):
+  write_run(tmp_path, "sqrt", 64, reaching(512), seed=0)
+  write_run(tmp_path, "sqrt", 64, linear(0.1, end=512), seed=1, budget=1024, steps=8)  # Stopped at 512 samples.
+  write_run(tmp_path, "none", 128, linear(0.1))
+  analysis = analyze(str(tmp_path), target=0.6)
+  m = by_name(analysis)["sqrt_b64"]
+  assert (m["n_seeds"], m["n_censored"]) == (2, 1)
+  assert m["samples_to_target"] == pytest.approx(512)  # Mean over the seeds that reached the target.
+  censored = m["seeds"][1]
+  assert (censored["censored"], censored["finished"], censored["samples_to_target"]) == (True, False, None)
+  assert censored["time_to_target_s"] is None
+  never = by_name(analysis)["none_b128"]
+  assert (never["n_censored"], never["samples_to_target"], never["time_to_target_ci"]) == (1, None, None)
+  assert never["verdict"] == "censored"
+  assert (never["penalty"], never["predicted_time_ratio"], never["measured_time_ratio"]) == (None, None, None)
+  assert never["gain"] == pytest.approx(2)  # Throughput does not depend on the target.
+
+
+def test_decision_faster_and_slower(tmp_path):
+  write_run(tmp_path, "sqrt", 64, reaching(384), budget=2560)  # R = 128, S = 384, T = 3.
+  write_run(tmp_path, "sqrt", 128, reaching(512), budget=2560)  # R = 256, S = 512, T = 2.
+  write_run(tmp_path, "none", 256, reaching(2048, end=2560), budget=2560)  # R = 512, S = 2048, T = 4.
+  members = by_name(analyze(str(tmp_path), target=0.6))
+  fast, slow = members["sqrt_b128"], members["none_b256"]
+  assert (fast["gain"], fast["penalty"]) == pytest.approx((2, 4 / 3))
+  assert (fast["predicted_time_ratio"], fast["measured_time_ratio"]) == pytest.approx((2 / 3, 2 / 3))
+  assert fast["verdict"] == "faster"
+  assert (slow["gain"], slow["penalty"]) == pytest.approx((4, 16 / 3))
+  assert (slow["predicted_time_ratio"], slow["measured_time_ratio"]) == pytest.approx((4 / 3, 4 / 3))
+  assert slow["verdict"] == "slower"
+  report = (tmp_path / "report.md").read_text()
+  assert "The fastest to accuracy 0.6 is sqrt_b128" in report
+  assert "Are the un-retuned (`none`) larger batches slower? yes: none_b256 slower (1.33x)." in report
+
+
+def test_invariance_gap_and_family_range(tmp_path):
+  write_run(tmp_path, "sqrt", 64, linear(0.4))  # Reference.
+  write_run(tmp_path, "sqrt", 128, linear(0.36, end=2048), budget=2048)  # Gap 0.04/2 over the shared [0, 1024].
+  write_run(tmp_path, "sqrt", 256, linear(0.32))  # 0.04.
+  write_run(tmp_path, "sqrt", 512, linear(0.2))  # 0.1: breaks the family.
+  write_run(tmp_path, "sqrt", 1024, linear(0.38), budget=2048)  # 0.01, but not contiguous with the reference.
+  write_run(tmp_path, "none", 64, linear(0.46))  # 0.03.
+  write_run(tmp_path, "none", 128, linear(0.2))  # 0.1.
+  write_run(tmp_path, "linear", 128, linear(0.2, start=0.5))  # Crosses the reference at 512: two triangles, 0.05.
+  analysis = analyze(str(tmp_path), target=0.6, invariance_tol=0.06)
+  gaps = {name: m["invariance_gap"] for name, m in by_name(analysis).items()}
+  assert gaps == pytest.approx(dict(sqrt_b64=0, sqrt_b128=0.02, sqrt_b256=0.04, sqrt_b512=0.1, sqrt_b1024=0.01,
+                                    none_b64=0.03, none_b128=0.1, linear_b128=0.05))
+  assert analysis["families"] == dict(linear=dict(reference_batch=64, range=[128, 128]),
+                                      none=dict(reference_batch=64, range=[64, 64]),
+                                      sqrt=dict(reference_batch=64, range=[64, 256]))
+  tight = analyze(str(tmp_path), target=0.6, invariance_tol=0.035)["families"]
+  assert (tight["sqrt"]["range"], tight["none"]["range"], tight["linear"]["range"]) == ([64, 128], [64, 64], None)
+
+
+def test_reference_default_and_explicit(tmp_path):
+  write_run(tmp_path, "none", 32, linear(0.4))
+  write_run(tmp_path, "linear", 64, linear(0.4))
+  assert analyze(str(tmp_path), target=0.6)["reference"] == "none_b32"  # No sqrt: the smallest batch.
+  write_run(tmp_path, "sqrt", 128, linear(0.4))
+  write_run(tmp_path, "sqrt", 256, linear(0.4))
+  assert analyze(str(tmp_path), target=0.6)["reference"] == "sqrt_b128"  # The smallest sqrt batch.
+  assert analyze(str(tmp_path), target=0.6, reference="linear_b64")["reference"] == "linear_b64"
+  with pytest.raises(ValueError, match=r"'sqrt_b999' is not in the study; pick one of \['linear_b64'"):
+    analyze(str(tmp_path), target=0.6, reference="sqrt_b999")
+  with pytest.raises(ValueError, match="is not '<rule>_b<batch>'"):
+    analyze(str(tmp_path), target=0.6, reference="b64")
+
+
+def test_smoothing(tmp_path):
+  np.testing.assert_allclose(curves.smooth(np.array([0, 0.3, 0.6, 0.3, 0.9]), 3), [0, 0.3, 0.4, 0.6, 0.9])
+  np.testing.assert_allclose(curves.smooth(np.array([0, 0.3, 0.6, 0.3, 0.9]), 5), [0, 0.3, 0.42, 0.6, 0.9])
+  with pytest.raises(ValueError, match="smooth must be an odd number"):
+    curves.smooth(np.zeros(3), 2)
+  write_run(tmp_path, "sqrt", 64, [(0, 0.4), (256, 0.8), (512, 0.4), (768, 0.8), (1024, 0.8)])
+  assert by_name(analyze(str(tmp_path), target=0.7))["sqrt_b64"]["samples_to_target"] == pytest.approx(192)
+  # Smoothed: 0.4, 0.533, 0.667, 0.667, 0.8 -> crosses 0.7 a quarter of the way from 768 to 1024.
+  smoothed = analyze(str(tmp_path), target=0.7, smooth=3)
+  assert (smoothed["smooth"], by_name(smoothed)["sqrt_b64"]["samples_to_target"]) == (3, pytest.approx(832))
+
+
+def test_outputs_and_contract(tmp_path):
+  write_run(tmp_path, "sqrt", 64, reaching(384))
+  write_run(tmp_path, "none", 128, reaching(512))
+  (tmp_path / "sqrt_b256_s0").mkdir()  # A run that has not written anything yet.
+  (tmp_path / "sqrt_b256_s0" / "config.json").write_text("{}")
+  write_run(tmp_path, "sqrt", 512, [(0, 0.4)], steps=1)  # Only the compile step so far.
+  analysis = analyze(str(tmp_path), target=0.6)
+  on_disk = json.loads((tmp_path / "analysis.json").read_text())
+  assert on_disk == analysis
+  assert {"target", "reference", "smooth", "definitions", "members", "families", "skipped"} <= set(on_disk)
+  for m in on_disk["members"]:
+    assert MEMBER_FIELDS <= set(m)
+    assert set(m["seeds"][0]) == {"dir", "seed", "samples_to_target", "time_to_target_s",
+                                  "throughput_samples_per_s", "finished", "censored"}
+  assert on_disk["skipped"] == [
+      dict(dir="sqrt_b256_s0", reason="no metrics.jsonl"),
+      dict(dir="sqrt_b512_s0", reason="1 training rows (needs 2: the first is excluded as compile time)")]
+  report = (tmp_path / "report.md").read_text()
+  assert "| member | seeds | S samples [90% CI]" in report and "| sqrt_b64 | 1 | 384 [384, 384]" in report
+  assert "`sqrt` keeps the accuracy-vs-samples curve within 0.05 of the reference only at batch 64." in report
+  assert "- `sqrt_b256_s0`: no metrics.jsonl" in report
+  for name in ("accuracy_vs_samples.png", "accuracy_vs_time.png", "throughput_vs_batch.png",
+               "time_to_target_vs_batch.png"):
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_study_dirs_are_clear_errors(tmp_path):
+  with pytest.raises(ValueError, match="does not exist"):
+    analyze(str(tmp_path / "missing"), target=0.6)
+  with pytest.raises(ValueError, match="No runs in .*<rule>_b<batch>_s<seed>"):
+    analyze(str(tmp_path), target=0.6)
+  run_dir = write_run(tmp_path, "sqrt", 64, reaching(384))
+  with pytest.raises(ValueError, match=r"target must be a held-out accuracy in \(0, 1\]"):
+    analyze(str(tmp_path), target=60)
+  with open(run_dir / "metrics.jsonl", "a") as f:
+    f.write('{"step": 17, "samples": 1088, "rollout_s": 0.2\n')
+  with pytest.raises(ValueError, match=r"metrics.jsonl:\d+ is not a metrics row"):
+    analyze(str(tmp_path), target=0.6)
+  (run_dir / "metrics.jsonl").unlink()
+  write_run(tmp_path, "sqrt", 64, reaching(384), name="copy")
+  write_run(tmp_path, "sqrt", 64, reaching(384), name="copy2")
+  with pytest.raises(ValueError, match="copy and copy2 .* are the same run"):
+    analyze(str(tmp_path), target=0.6)
+  (tmp_path / "copy2" / "config.json").write_text('{"config": {"batch_size": 64}}')
+  with pytest.raises(ValueError, match="copy2/config.json is not a launch.train config.json"):
+    analyze(str(tmp_path), target=0.6)
+
+
+def test_launcher_prints_table_and_paths(tmp_path):
+  write_run(tmp_path, "sqrt", 64, reaching(384))
+  proc = subprocess.run([sys.executable, "-m", "launch.analyze", f"--workdir={tmp_path}", "--target=0.6"],
+                        capture_output=True, text=True, check=False, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert proc.returncode == 0, proc.stderr
+  assert "| sqrt_b64 | 1 | 384 [384, 384]" in proc.stdout
+  assert os.path.join(str(tmp_path), "report.md") in proc.stdout
