@@ -11,9 +11,8 @@ import os
 import time
 
 import ml_collections
-import numpy as np
 
-from jaxrl_batch.analysis import clock
+from jaxrl_batch.analysis import clock, runs
 from jaxrl_batch.config_args import apply_overrides
 from jaxrl_batch.trainer import Trainer
 
@@ -118,10 +117,9 @@ def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: s
     config = member_config(module, base_arg, member, [*overrides, *budget])
     if finished_samples(run_dir) < config.sample_budget:
       Trainer(config, run_dir, devices=devices).run()
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-      rows = [r for r in map(json.loads, f) if "reward_mean" in r]
-    samples = np.array([r["samples"] for r in rows], float)
-    phases = np.array([[r["rollout_s"], r["reward_s"], r["update_s"]] for r in rows])
-    rates[batch] = clock.throughput(samples, phases)
+    run = runs.read_run(run_dir, f"b{batch}")
+    if isinstance(run, str):
+      raise ValueError(f"Throughput run {run_dir} is not analysable: {run}.")
+    rates[batch] = clock.throughput(run.train_samples, run.phase_s, run.cold)
     logging.info("Throughput at batch %d: %.1f samples/s.", batch, rates[batch])
   return rates

@@ -196,7 +196,7 @@ class Trainer:
     while step < self.total_steps:
       params, opt_state, row = self._train_step(params, opt_state, step)
       step, samples = step + 1, samples + c.batch_size
-      row = dict(step=step, samples=samples, wall_s=wall(), **row)
+      row = dict(step=step, samples=samples, wall_s=wall(), cold=step == first_step + 1, **row)
       self.metrics.write(row)
       crossed = lambda every: every > 0 and samples // every > (samples - c.batch_size) // every
       if crossed(c.eval_every_samples) or step == self.total_steps:

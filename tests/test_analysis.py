@@ -237,3 +237,14 @@ def test_launcher_prints_table_and_paths(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert "| sqrt_b64 | 1 | 384 [384, 384]" in proc.stdout
   assert os.path.join(str(tmp_path), "report.md") in proc.stdout
+
+
+def test_cold_rows_after_a_resume_are_charged_at_the_steady_rate():
+  # Four steps of 32 samples, 1 s each when warm; rows 1 and 3 are cold (compile) and took 9 s.
+  train_samples = np.array([32.0, 64.0, 96.0, 128.0])
+  phase_s = np.array([[9.0, 0.0, 0.0], [1.0, 0.0, 0.0], [9.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+  cold = np.array([True, False, True, False])
+  assert clock.throughput(train_samples, phase_s, cold) == 32
+  np.testing.assert_allclose(clock.clock_at(train_samples, phase_s, [64, 128], cold), [2, 4])
+  # Without the marker only the first row is excluded, and the resume's compile time counts.
+  np.testing.assert_allclose(clock.clock_at(train_samples, phase_s, [128]), [32 / (96 / 11) + 11])

@@ -86,6 +86,9 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkey
 
   a, b = read_rows(straight), read_rows(resumed)
   assert [r["step"] for r in a] == [r["step"] for r in b]
+  # The first training row of each session includes compilation; the analysis leaves its seconds out.
+  assert [r["cold"] for r in a if "reward_mean" in r] == [True] + [False] * 5
+  assert [r["cold"] for r in b if "reward_mean" in r] == [True, False, True, False, False, False]
   for key in ("reward_mean", "response_len_mean", "grad_norm", "eval_accuracy", "samples"):
     np.testing.assert_allclose([r.get(key, -1) for r in a], [r.get(key, -1) for r in b], rtol=1e-5)
 

@@ -43,10 +43,10 @@ def seed_result(run: Run, target: float, smooth: int) -> SeedResult:
   """S, T and R of `run` at `target`, on its curve smoothed over `smooth` evaluation points."""
   accuracy = curves.smooth(run.eval_accuracy, smooth)
   s = curves.samples_to_target(run.eval_samples, accuracy, target)
-  t = None if s is None else float(clock.clock_at(run.train_samples, run.phase_s, s))
+  t = None if s is None else float(clock.clock_at(run.train_samples, run.phase_s, s, run.cold))
   return SeedResult(run=run, curve=(run.eval_samples, accuracy), samples_to_target=s, time_to_target_s=t,
-                    throughput=clock.throughput(run.train_samples, run.phase_s),
-                    seconds_per_sample=clock.seconds_per_sample(run.train_samples, run.phase_s))
+                    throughput=clock.throughput(run.train_samples, run.phase_s, run.cold),
+                    seconds_per_sample=clock.seconds_per_sample(run.train_samples, run.phase_s, run.cold))
 
 
 def _mean(values: list[float]) -> float | None:
@@ -73,7 +73,8 @@ class Member:
   def clock_curve(self) -> tuple[np.ndarray, np.ndarray]:
     """(seed-mean training seconds, seed-mean accuracy) at the samples of `curve`."""
     samples, accuracy = self.curve
-    seconds = np.mean([clock.clock_at(r.run.train_samples, r.run.phase_s, samples) for r in self.seeds], axis=0)
+    seconds = np.mean([clock.clock_at(r.run.train_samples, r.run.phase_s, samples, r.run.cold)
+                       for r in self.seeds], axis=0)
     return seconds, accuracy
 
   def summary(self) -> dict:

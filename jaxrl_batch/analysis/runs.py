@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 
+from jaxrl_batch.analysis import clock
+
 PHASES = ("rollout_s", "reward_s", "update_s")  # Per-step phase seconds of a training row.
 
 
@@ -27,6 +29,7 @@ class Run:
     eval_accuracy: (E,) held-out accuracy (0..1) at those samples.
     train_samples: (N,) cumulative samples after each training step, increasing; N >= 2.
     phase_s: (N, 3) seconds of each step in rollout / reward / update.
+    cold: (N,) bool, rows that include compilation (first of a run or of a resumed session).
   """
   name: str
   rule: str
@@ -37,6 +40,7 @@ class Run:
   eval_accuracy: np.ndarray
   train_samples: np.ndarray
   phase_s: np.ndarray
+  cold: np.ndarray
 
   @property
   def member(self) -> str:
@@ -69,7 +73,8 @@ def _read_rows(path: str) -> tuple[list[dict], list[dict]]:
         if "eval_accuracy" in row:
           evals.append(dict(samples=float(row["samples"]), accuracy=float(row["eval_accuracy"])))
         else:
-          train.append(dict(samples=float(row["samples"]), phases=[float(row[p]) for p in PHASES]))
+          train.append(dict(samples=float(row["samples"]), phases=[float(row[p]) for p in PHASES],
+                            cold=bool(row.get("cold", False))))
       except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}:{line_no} is not a metrics row (training rows need samples, "
                          f"{', '.join(PHASES)}; evaluation rows samples, eval_accuracy): {e!r}. "
@@ -83,7 +88,7 @@ def _increasing(values: np.ndarray, path: str, what: str) -> None:
                      "Rerun the member in a fresh directory.")
 
 
-def _read_run(run_dir: str, name: str) -> Run | str:
+def read_run(run_dir: str, name: str) -> Run | str:
   """The run in `run_dir`, or the reason it is skipped."""
   config_path, metrics_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "metrics.jsonl")
   missing = [os.path.basename(p) for p in (config_path, metrics_path) if not os.path.isfile(p)]
@@ -99,11 +104,13 @@ def _read_run(run_dir: str, name: str) -> Run | str:
             eval_samples=np.array([r["samples"] for r in evals]),
             eval_accuracy=np.array([r["accuracy"] for r in evals]),
             train_samples=np.array([r["samples"] for r in train]),
-            phase_s=np.array([r["phases"] for r in train]))
+            phase_s=np.array([r["phases"] for r in train]),
+            cold=np.array([r["cold"] for r in train]) | clock.first_row_cold(len(train)))
   _increasing(run.eval_samples, metrics_path, "evaluation")
   _increasing(run.train_samples, metrics_path, "training")
-  if np.any(run.phase_s < 0) or run.phase_s[1:].sum() <= 0:
-    raise ValueError(f"{metrics_path}: phase seconds must be >= 0 and sum to > 0 after the first training row.")
+  if np.any(run.phase_s < 0) or run.phase_s[~run.cold].sum() <= 0:
+    raise ValueError(f"{metrics_path}: phase seconds must be >= 0 and sum to > 0 over the warm (not first, not "
+                     "cold) training rows.")
   return run
 
 
@@ -117,7 +124,7 @@ def load_study(study_dir: str) -> tuple[list[Run], list[dict]]:
     run_dir = os.path.join(study_dir, name)
     if not os.path.isdir(run_dir):
       continue
-    run = _read_run(run_dir, name)
+    run = read_run(run_dir, name)
     if isinstance(run, str):
       skipped.append(dict(dir=name, reason=run))
       continue
