@@ -5,7 +5,7 @@ r"""Recommends a batch size: T(B) = S(B) / R(B) from a throughput sweep and the 
       --batches=32,64,128,256,512,1024 --steps=4
 
 The sweep runs a few steps per batch (in WORKDIR/throughput/b<B>/, resumable); S(B) = S_min (1 + B / B_noise) is fitted
-to the rule's members in WORKDIR/analysis.json. Writes WORKDIR/plan.json and prints predicted vs measured T.
+to the rule's members in WORKDIR/analysis.json. Writes WORKDIR/plan.json and WORKDIR/plan.md (predicted vs measured T).
 """
 import json
 import os
@@ -42,14 +42,11 @@ def main(argv):
   result = dict(planner.plan(swept, measured), rule=FLAGS.rule, target=analysis["target"])
   with open(os.path.join(FLAGS.workdir, "plan.json"), "w") as f:
     json.dump(result, f, indent=2)
-  print(f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to reach {result['target']}")
-  print(f"{'batch':>6} {'R (samples/s)':>14} {'S pred':>9} {'T pred (s)':>11} {'T measured (s)':>15}")
-  for r in result["rows"]:
-    measured_t = "-" if r["measured_time_to_target_s"] is None else f"{r['measured_time_to_target_s']:.1f}"
-    print(f"{r['batch']:>6} {r['throughput_samples_per_s']:>14.1f} {r['predicted_samples_to_target']:>9.0f} "
-          f"{r['predicted_time_to_target_s']:>11.1f} {measured_t:>15}")
-  print(f"Recommended batch: {result['recommended_batch']} (wrote {os.path.join(FLAGS.workdir, 'plan.json')})")
-
+  table = planner.render(result)
+  with open(os.path.join(FLAGS.workdir, "plan.md"), "w") as f:
+    f.write(table)
+  print(table, end="")
+  print(f"Wrote {os.path.join(FLAGS.workdir, 'plan.json')} and plan.md.")
 
 if __name__ == "__main__":
   app.run(main)

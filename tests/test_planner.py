@@ -24,6 +24,8 @@ def test_plan_predicts_time_and_recommends_the_minimum():
   assert t[64] == pytest.approx(12.5) and t[256] == pytest.approx(2000 / 300)
   assert result["recommended_batch"] == 256
   assert {r["batch"]: r["measured_time_to_target_s"] for r in result["rows"]}[64] == 13.0
+  table = planner.render(dict(result, rule="sqrt", target=0.9))
+  assert "| 64 | 100.0 | 1250 | 12.50 | 13.00 |" in table and "Recommended batch: 256" in table
 
 
 def test_throughput_interpolates_in_log_batch():

@@ -77,3 +77,27 @@ def test_throughput_sweep_measures_each_batch(tmp_path):
   assert study.finished_samples(str(tmp_path / "sweep" / "b16")) == 48
   with pytest.raises(ValueError, match=">= 2 steps"):
     study.throughput_sweep(CONFIG + ":debug", str(tmp_path / "sweep"), [8], "sqrt", 1)
+
+
+def test_plan_batch_cli_writes_the_plan(tmp_path):
+  import subprocess
+  import sys
+  analysis = dict(target=0.9, members=[
+      dict(rule="sqrt", batch=8, samples_to_target=1000.0, time_to_target_s=4.0),
+      dict(rule="sqrt", batch=16, samples_to_target=1500.0, time_to_target_s=5.0),
+      dict(rule="none", batch=16, samples_to_target=None, time_to_target_s=None)])
+  with open(tmp_path / "analysis.json", "w") as f:
+    json.dump(analysis, f)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_arith.py:debug", f"--workdir={tmp_path}",
+       "--batches=8,16", "--steps=2", f"--set=sft.cache_dir={tmp_path / 'base'}", "--set=mesh.data=1"],
+      cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / "plan.json") as f:
+    plan = json.load(f)
+  # S(8) = 1000, S(16) = 1500: S_min = 500, B_noise = 8.
+  assert plan["s_min"] == pytest.approx(500) and plan["b_noise"] == pytest.approx(8)
+  assert [r["measured_time_to_target_s"] for r in plan["rows"]] == [4.0, 5.0]
+  assert plan["recommended_batch"] in (8, 16) and "Recommended batch" in proc.stdout
+  assert os.path.exists(tmp_path / "plan.md")

@@ -54,3 +54,16 @@ def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]
                      swept=batch in swept))
   best = min((r for r in rows if r["swept"]), key=lambda r: r["predicted_time_to_target_s"])
   return dict(s_min=s_min, b_noise=b_noise, rows=rows, recommended_batch=best["batch"])
+
+
+def render(result: dict) -> str:
+  """plan.md: the fit, predicted vs measured T per batch, and the recommendation."""
+  lines = [f"# Batch plan ({result['rule']} rule, target {result['target']})", "",
+           f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to target.", "",
+           "| batch | R samples/s | S predicted | T predicted s | T measured s |", "| --- | --- | --- | --- | --- |"]
+  for r in result["rows"]:
+    measured = "-" if r["measured_time_to_target_s"] is None else f"{r['measured_time_to_target_s']:.2f}"
+    lines.append(f"| {r['batch']} | {r['throughput_samples_per_s']:.1f} | {r['predicted_samples_to_target']:.0f} | "
+                 f"{r['predicted_time_to_target_s']:.2f} | {measured} |")
+  lines += ["", f"Recommended batch: {result['recommended_batch']} (smallest predicted T among swept batches).", ""]
+  return "\n".join(lines)
