@@ -23,17 +23,9 @@ class KVCache(NamedTuple):
     dtype = dtype or cfg.compute_dtype
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
-  @property
-  def length(self) -> int:
-    return self.k_LxBxSxKxH.shape[2]
-
   def write(self, layer: int, index, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> "KVCache":
     """Writes T new keys/values of one layer at slots index..index+T-1 (in place under jit)."""
     start = (layer, 0, index, 0, 0)
     return KVCache(
         jax.lax.dynamic_update_slice(self.k_LxBxSxKxH, k_BxTxKxH[None].astype(self.k_LxBxSxKxH.dtype), start),
         jax.lax.dynamic_update_slice(self.v_LxBxSxKxH, v_BxTxKxH[None].astype(self.v_LxBxSxKxH.dtype), start))
-
-  def repeat(self, times: int) -> "KVCache":
-    """Each sequence's cache repeated `times` times along batch (b -> b*times ... b*times+times-1)."""
-    return KVCache(*(jnp.repeat(x, times, axis=1) for x in self))
