@@ -36,6 +36,13 @@ class Transformer(nnx.Module):
       self.lm_head = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.d_model, cfg.vocab_size),
                                    ("embed", "vocab"), dt)
 
+  def hidden(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None):
+    """Final-normed hidden states (B, T, D) in the compute dtype, and the updated cache; args as `__call__`."""
+    x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
+    for layer, block in enumerate(self.blocks):
+      x, cache = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index)
+    return self.final_norm(x), cache
+
   def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None):
     """Logits for every position.
 
@@ -48,11 +55,7 @@ class Transformer(nnx.Module):
     Returns:
       (logits_BxTxV float32, updated cache or None).
     """
-    dt = self.cfg.compute_dtype
-    x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dt)
-    for layer, block in enumerate(self.blocks):
-      x, cache = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index)
-    x = self.final_norm(x)
+    x, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index)
     head_DxV = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", x, head_DxV.astype(dt), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", x, head_DxV.astype(x.dtype), preferred_element_type=jnp.float32)
     return logits, cache
