@@ -6,7 +6,12 @@ import importlib
 
 from jaxrl_batch.tasks.base import Problem, Task
 
-TASKS = {"arithmetic": "jaxrl_batch.tasks.arithmetic:ArithmeticTask"}  # name -> "module:class"
+TASKS = {  # name -> "module:class"
+    "arithmetic": "jaxrl_batch.tasks.arithmetic:ArithmeticTask",
+    "gsm8k": "jaxrl_batch.tasks.gsm8k:Gsm8kTask",
+    "math": "jaxrl_batch.tasks.math_boxed:MathTask",
+    "countdown": "jaxrl_batch.tasks.countdown:CountdownTask",
+}
 
 
 def make_task(name: str, task_cfg) -> Task:

@@ -11,9 +11,13 @@ from jaxrl_batch.tokenizer import Tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """One problem: the prompt text given to the policy and the integer answer the reward checks."""
+  r"""One problem: the prompt text given to the policy and the reference answer the reward checks.
+
+  `answer` is an int for arithmetic and countdown (the target), an int or decimal string for gsm8k, and a LaTeX
+  string such as '\frac{1}{2}' for math.
+  """
   prompt: str
-  answer: int
+  answer: int | str
 
 
 class Task(Protocol):
