@@ -4,10 +4,11 @@ from flax import nnx
 from jaxrl_batch.model.config import ModelConfig
 from jaxrl_batch.model.kv_cache import KVCache
 from jaxrl_batch.model.masks import cache_mask, causal_mask, positions_from_valid
+from jaxrl_batch.model.rope import RopeScaling
 from jaxrl_batch.model.transformer import Transformer
 
-__all__ = ["ModelConfig", "KVCache", "Transformer", "cache_mask", "causal_mask", "positions_from_valid",
-           "sequence_logits"]
+__all__ = ["ModelConfig", "KVCache", "RopeScaling", "Transformer", "cache_mask", "causal_mask",
+           "positions_from_valid", "sequence_logits"]
 
 
 def sequence_logits(graphdef, params, tokens_BxT, valid_BxT):

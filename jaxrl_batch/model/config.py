@@ -3,6 +3,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxrl_batch.model.rope import RopeScaling
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -21,6 +23,9 @@ class ModelConfig:
     tie_embeddings: reuse the embedding table as the output head.
     dtype: activation dtype ("float32" or "bfloat16"); softmax and logits stay float32.
     param_dtype: parameter dtype.
+    qkv_bias: add a learned bias to the query, key and value projections (Qwen2).
+    qk_norm: RMSNorm over head_dim on each query and key head before RoPE (Qwen3).
+    rope_scaling: RoPE context extension (Llama 3.1+ "llama3", or "linear"); None for plain RoPE.
   """
 
   vocab_size: int
@@ -35,6 +40,9 @@ class ModelConfig:
   tie_embeddings: bool = True
   dtype: str = "float32"
   param_dtype: str = "float32"
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
@@ -60,17 +68,20 @@ class ModelConfig:
 
   @classmethod
   def from_config(cls, cfg) -> "ModelConfig":
-    """Builds from a ConfigDict/dict; unknown keys are an error."""
+    """Builds from a ConfigDict/dict (`rope_scaling` may be a nested dict); unknown keys are an error."""
     fields = {f.name for f in dataclasses.fields(cls)}
     given = dict(cfg)
     unknown = sorted(set(given) - fields)
     if unknown:
       raise ValueError(f"Unknown model config keys {unknown}; valid keys are {sorted(fields)}.")
+    if given.get("rope_scaling") is not None and not isinstance(given["rope_scaling"], RopeScaling):
+      given["rope_scaling"] = RopeScaling(**dict(given["rope_scaling"]))
     return cls(**given)
 
   def num_params(self) -> int:
     """Parameter count (embedding counted once when tied)."""
     attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    attn += self.qkv_bias * self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.qk_norm * 2 * self.head_dim
     mlp = 3 * self.d_model * self.d_ff
     per_layer = attn + mlp + 2 * self.d_model
     head = 0 if self.tie_embeddings else self.vocab_size * self.d_model

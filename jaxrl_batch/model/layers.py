@@ -1,4 +1,4 @@
-"""Decoder building blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+"""Decoder building blocks: RMSNorm, grouped-query attention (RoPE, optional QKV bias and QK-norm), SwiGLU MLP.
 
 Every parameter carries logical axis names (`out_sharding` metadata) that `jaxrl_batch.sharding` maps to mesh
 axes. Names used: vocab, embed, heads, kv_heads, head_dim, mlp, norm.
@@ -6,6 +6,10 @@ axes. Names used: vocab, embed, heads, kv_heads, head_dim, mlp, norm.
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxrl_batch.kernels import decode_attention
+from jaxrl_batch.model.masks import DecodeSpan
+from jaxrl_batch.model.rope import apply_rope
 
 _NEG_INF = -1e30
 
@@ -34,18 +38,6 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...].astype(jnp.float32)).astype(x_BxTxD.dtype)
 
 
-def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, half-split convention (Llama/Qwen): pairs (i, i + H/2) rotate by pos / theta^(2i/H)."""
-  h = x_BxTxNxH.shape[-1]
-  inv_freq_F = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
-  angle_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_F
-  sin, cos = jnp.sin(angle_BxTxF)[:, :, None, :], jnp.cos(angle_BxTxF)[:, :, None, :]
-  x = x_BxTxNxH.astype(jnp.float32)
-  x1, x2 = x[..., : h // 2], x[..., h // 2 :]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxH.dtype)
-
-
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
   """Softmax attention with grouped KV heads; scores and softmax in float32. Returns (B, T, N, H)."""
   b, t, n, h = q_BxTxNxH.shape
@@ -59,7 +51,10 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with RoPE, optionally reading/writing a KV cache."""
+  """Grouped-query self-attention with RoPE, optionally reading/writing a KV cache.
+
+  `cfg.qkv_bias` adds biases to q, k, v (Qwen2); `cfg.qk_norm` RMS-normalises each q and k head before RoPE (Qwen3).
+  """
 
   def __init__(self, cfg, rngs: nnx.Rngs):
     d, n, k, h, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
@@ -69,20 +64,37 @@ class Attention(nnx.Module):
     self.wv = sharded_param(rngs, fan_in_normal(d), (d, k, h), ("embed", "kv_heads", "head_dim"), dt)
     out_scale = (2 * cfg.num_layers) ** -0.5
     self.wo = sharded_param(rngs, fan_in_normal(n * h, out_scale), (n, h, d), ("heads", "head_dim", "embed"), dt)
+    if cfg.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq = sharded_param(rngs, zeros, (n, h), ("heads", "head_dim"), dt)
+      self.bk = sharded_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), dt)
+      self.bv = sharded_param(rngs, zeros, (k, h), ("kv_heads", "head_dim"), dt)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.norm_eps, dt, rngs)
+      self.k_norm = RMSNorm(h, cfg.norm_eps, dt, rngs)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None):
     """Without a cache S == T. With a `KVCache`, the T new keys/values are written in place into layer `layer` at
-    slots cache_index..cache_index+T-1 and the queries attend over all S slots. Returns (y_BxTxD, cache)."""
+    slots cache_index..cache_index+T-1 and the queries attend over all S slots. A `DecodeSpan` mask (T == 1, with
+    a cache) runs the Pallas decode kernel over the stacked cache in place. Returns (y_BxTxD, cache)."""
     dt = self.cfg.compute_dtype
     q = jnp.einsum("btd,dnh->btnh", x_BxTxD, self.wq[...].astype(dt))
     k = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wk[...].astype(dt))
     v = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wv[...].astype(dt))
-    q = apply_rope(q, positions_BxT, self.cfg.rope_theta)
-    k = apply_rope(k, positions_BxT, self.cfg.rope_theta)
+    if self.cfg.qkv_bias:
+      q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+    if self.cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = apply_rope(q, positions_BxT, self.cfg.rope_theta, self.cfg.rope_scaling)
+    k = apply_rope(k, positions_BxT, self.cfg.rope_theta, self.cfg.rope_scaling)
     if cache is not None:
       cache = cache.write(layer, cache_index, k, v)
       k, v = cache.k_LxBxSxKxH[layer], cache.v_LxBxSxKxH[layer]
-    out_BxTxNxH = attend(q, k.astype(dt), v.astype(dt), mask_BxTxS)
+    if isinstance(mask_BxTxS, DecodeSpan):
+      out_BxTxNxH = decode_attention(q[:, 0], cache.k_LxBxSxKxH, cache.v_LxBxSxKxH, mask_BxTxS.ends_B,
+                                     mask_BxTxS.starts_B, backend="pallas", layer=layer)[:, None]
+    else:
+      out_BxTxNxH = attend(q, k.astype(dt), v.astype(dt), mask_BxTxS)
     return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, self.wo[...].astype(dt)), cache
 
 

@@ -1,4 +1,6 @@
 """Attention masks and RoPE positions for left-padded, variable-length sequences."""
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -24,3 +26,20 @@ def cache_mask(kv_valid_BxS: jax.Array, cache_index: jax.Array, num_queries: int
   query_slot_T = cache_index + jnp.arange(num_queries)
   causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
   return causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
+
+
+class DecodeSpan(NamedTuple):
+  """The mask of a one-token cached step in the form the decode kernel takes: ragged spans, not a dense mask.
+
+  Row b's query attends cache slots starts_B[b] <= s < ends_B[b]: from a left-padded prompt's first real token to
+  the query's own slot. Passed as the mask of a one-token step, attention runs the Pallas decode kernel
+  (`jaxrl_batch.kernels.decode_attention`) over the cache in place; `dense` is the equivalent bool mask.
+  """
+
+  starts_B: jax.Array
+  ends_B: jax.Array
+
+  def dense(self, length: int) -> jax.Array:
+    """(B, 1, S) bool mask over a cache of `length` slots."""
+    slot_1xS = jnp.arange(length)[None, :]
+    return ((slot_1xS >= self.starts_B[:, None]) & (slot_1xS < self.ends_B[:, None]))[:, None, :]

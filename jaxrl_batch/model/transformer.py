@@ -56,6 +56,10 @@ class Transformer(nnx.Module):
       (logits_BxTxV float32, updated cache or None).
     """
     x, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index)
+    return self.logits(x), cache
+
+  def logits(self, hidden_BxTxD):
+    """The output head on final-normed hidden states: logits_BxTxV float32."""
     head_DxV = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", x, head_DxV.astype(x.dtype), preferred_element_type=jnp.float32)
-    return logits, cache
+    return jnp.einsum("btd,dv->btv", hidden_BxTxD, head_DxV.astype(hidden_BxTxD.dtype),
+                      preferred_element_type=jnp.float32)

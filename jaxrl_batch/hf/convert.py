@@ -1,0 +1,125 @@
+"""Hugging Face Llama/Qwen2/Qwen3 checkpoints in (`from_pretrained`) and out (`save_pretrained`).
+
+Loading is sharded as it goes: params are laid out by `sharding.abstract_sharded`, and each device's block of each
+tensor is read straight from the safetensors files, so no host ever holds a full copy of a sharded parameter.
+"""
+import functools
+import json
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from jaxrl_batch import sharding
+from jaxrl_batch.hf import config as hf_config
+from jaxrl_batch.hf import layout, safetensors_io
+from jaxrl_batch.model import ModelConfig, Transformer
+
+# Tensors some checkpoints carry that the model recomputes or ties.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _keys(path) -> tuple:
+  return tuple(k.key for k in path)
+
+
+def _check_tensors(reader: safetensors_io.Reader, tensors: list[layout.Tensor], abstract, cfg: ModelConfig,
+                   directory: str) -> None:
+  """Every expected tensor present with the right shape, and nothing unexplained left over."""
+  found = reader.names()
+  expected = {t.name for t in tensors}
+  missing = sorted(expected - found)
+  if missing:
+    raise ValueError(f"{directory}: tensor {missing[0]} is missing ({len(missing)} missing in all), but config.json "
+                     f"implies it (tie_word_embeddings={cfg.tie_embeddings}, num_hidden_layers={cfg.num_layers}); "
+                     "fix config.json or supply the complete checkpoint.")
+  ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  extra = sorted(n for n in found - expected - ignored if not n.endswith(_IGNORED_SUFFIXES))
+  if extra:
+    raise ValueError(f"{directory}: unexpected tensor {extra[0]} ({len(extra)} unexpected in all); config.json "
+                     "describes a model without it (check architectures, attention_bias, tie_word_embeddings).")
+  shapes = {_keys(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  for t in tensors:
+    want = layout.hf_shape(shapes[t.path], t.axes)
+    if reader.shape(t.name) != want:
+      raise ValueError(f"{directory}: tensor {t.name} has shape {reader.shape(t.name)}, but config.json implies "
+                       f"{want}; config.json does not match the weights.")
+
+
+def _load(reader: safetensors_io.Reader, tensor: layout.Tensor, spec: jax.ShapeDtypeStruct) -> jax.Array:
+  """One parameter, each device reading only its block (read once per distinct block on this host)."""
+  blocks = {}
+
+  def block(index):
+    key = tuple(s.indices(n)[:2] for s, n in zip(index, spec.shape))
+    if key not in blocks:
+      read = functools.partial(reader.read, tensor.name)
+      blocks[key] = layout.read_block(read, spec.shape, tensor.axes, index).astype(spec.dtype)
+    return blocks[key]
+
+  return jax.make_array_from_callback(spec.shape, spec.sharding, block)
+
+
+def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=None, dtype: str = "float32",
+                    param_dtype: str | None = None):
+  """Loads a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM directory.
+
+  Args:
+    path: directory with config.json and model.safetensors (or model.safetensors.index.json + shards).
+    mesh: where params live (default: the first device); each parameter is sharded by `rules` as it loads.
+    rules: logical axis -> mesh axis rules (default: `sharding.DEFAULT_RULES`).
+    dtype: activation dtype of the model ("float32" or "bfloat16").
+    param_dtype: dtype params are stored in (default: `dtype`); checkpoint values are cast to it.
+  Returns:
+    (ModelConfig, graphdef, params) with params a nested dict, usable as `nnx.merge(graphdef, params)`.
+  """
+  with open(os.path.join(path, "config.json")) as f:
+    cfg = hf_config.to_model_config(json.load(f), dtype, param_dtype)
+  mesh = mesh or sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  graphdef, abstract = sharding.abstract_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), mesh,
+                                                 sharding.DEFAULT_RULES if rules is None else rules)
+  tensors = layout.tensors(cfg)
+  by_path = {t.path: t for t in tensors}
+  with safetensors_io.Reader(path) as reader:
+    _check_tensors(reader, tensors, abstract, cfg, path)
+    params = jax.tree_util.tree_map_with_path(lambda p, spec: _load(reader, by_path[_keys(p)], spec), abstract)
+  return cfg, graphdef, params
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  return np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_pretrained(cfg: ModelConfig, params, out_dir: str, *, base_config: dict | None = None,
+                    dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> None:
+  """Writes config.json and safetensors that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+  The family follows the config: Qwen3 with QK-norm, Qwen2 with q/k/v biases, else Llama. Params are gathered to
+  the host one shard file (at most `max_shard_bytes`) at a time; every process must call this, process 0 writes.
+
+  Args:
+    cfg: the model's config.
+    params: nested dict of arrays as returned by `from_pretrained` or `sharding.create_sharded`.
+    out_dir: output directory (created).
+    base_config: a config.json dict whose other fields (token ids, max_position_embeddings, ...) are kept.
+    dtype: dtype written ("float32" or "bfloat16"; default: each param's own).
+    max_shard_bytes: largest safetensors file before the checkpoint is split into shards.
+  """
+  leaves = {_keys(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  tensors = layout.tensors(cfg)
+  if set(leaves) != {t.path for t in tensors}:
+    raise ValueError(f"params do not match the config: keys {sorted(set(leaves) ^ {t.path for t in tensors})[:4]} "
+                     "differ; pass the config the params were built with.")
+  out_dtype = np.dtype(dtype or cfg.param_dtype)
+
+  def fetch(t):
+    return lambda: layout.to_hf(_to_host(leaves[t.path]), t.axes).astype(out_dtype)
+
+  entries = [safetensors_io.Entry(t.name, leaves[t.path].size * out_dtype.itemsize, fetch(t)) for t in tensors]
+  writer = jax.process_index() == 0
+  safetensors_io.write(out_dir, entries, max_shard_bytes, writer)
+  if writer:
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+      json.dump(hf_config.from_model_config(cfg, base_config, out_dtype.name), f, indent=2)

@@ -1,0 +1,125 @@
+"""Parity with `transformers` for tiny random Llama (llama3 RoPE, untied head), Qwen2 (q/k/v bias, tied head) and
+Qwen3 (QK-norm, head_dim != hidden / heads): logits with and without left padding, greedy generation, and an
+export that transformers loads back. Checkpoint I/O without torch is in test_hf_io.py."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from jaxrl_batch import from_pretrained, save_pretrained  # noqa: E402
+from jaxrl_batch.model import sequence_logits  # noqa: E402
+from jaxrl_batch.sampling import SamplingParams, generate  # noqa: E402
+
+V, PAD, EOS = 128, 0, 127
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, attn_implementation="eager")
+FAMILIES = {
+    # theta 1e4 with head_dim 16 puts wavelengths on both sides of and between the llama3 thresholds (32/4, 32).
+    "llama": lambda: transformers.LlamaConfig(
+        **COMMON, tie_word_embeddings=False, rope_theta=10_000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=32)),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, tie_word_embeddings=False, head_dim=32),
+}
+_jit_logits = jax.jit(sequence_logits, static_argnums=0)
+
+
+def _randomize(model: "torch.nn.Module", seed: int) -> None:
+  """Random weights, norm scales around 1 and non-zero biases, so no parameter is trivially 0 or 1."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=gen)
+      if name.endswith("norm.weight"):
+        p.copy_(1 + 0.2 * noise)
+      elif name.endswith("bias"):
+        p.copy_(0.5 * noise)
+      else:
+        p.copy_(noise * p.shape[-1] ** -0.5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """name -> (HF model, (cfg, graphdef, params) loaded from its save_pretrained directory); built once per family."""
+  built = {}
+
+  def get(name):
+    if name not in built:
+      model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
+      _randomize(model, seed=sorted(FAMILIES).index(name))
+      path = str(tmp_path_factory.mktemp(name))
+      model.save_pretrained(path)
+      built[name] = model, from_pretrained(path)
+    return built[name]
+
+  return get
+
+
+def _batch(b, t, pad, seed=0):
+  """Random tokens (never PAD/EOS), row 1 left-padded by `pad`."""
+  tokens = np.random.default_rng(seed).integers(1, V - 1, (b, t))
+  valid = np.ones((b, t), bool)
+  valid[1, :pad] = False
+  return np.where(valid, tokens, PAD), valid
+
+
+def _hf_logits(model, tokens, valid):
+  positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+  with torch.no_grad():
+    out = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid.astype(np.int64)),
+                position_ids=torch.tensor(positions))
+  return out.logits.float().numpy()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_match_transformers_with_and_without_left_padding(checkpoint, name):
+  model, (cfg, graphdef, params) = checkpoint(name)
+  assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings) == {
+      "llama": (False, False, False), "qwen2": (True, False, True), "qwen3": (False, True, False)}[name]
+  tokens, valid = _batch(2, 12, pad=4)
+  ours = np.asarray(_jit_logits(graphdef, params, tokens, valid))
+  want = _hf_logits(model, tokens, valid)
+  np.testing.assert_allclose(ours[valid], want[valid], atol=1e-4)
+  # Left padding changes nothing: row 1's real tokens alone give the same logits.
+  alone = _hf_logits(model, tokens[1:, 4:], valid[1:, 4:])
+  np.testing.assert_allclose(ours[1, 4:], alone[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_greedy_generation_matches_transformers(checkpoint, name):
+  model, (_, graphdef, params) = checkpoint(name)
+  prompt, valid = _batch(2, 6, pad=2, seed=1)
+  n = 8
+  ours = generate(graphdef, params, prompt, valid, jax.random.key(0), max_new_tokens=n, eos_id=EOS, pad_id=PAD,
+                  sampling=SamplingParams(temperature=0.0))
+  with torch.no_grad():
+    out = model.generate(input_ids=torch.tensor(prompt), attention_mask=torch.tensor(valid.astype(np.int64)),
+                         max_new_tokens=n, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+  hf_new = out[:, prompt.shape[1]:].numpy()
+  got = np.asarray(ours.tokens_BxN)
+  np.testing.assert_array_equal(got[:, : hf_new.shape[1]], hf_new)
+  assert (got[:, hf_new.shape[1]:] == PAD).all()  # transformers stops once every row hit EOS
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_export_round_trip_loads_in_transformers(checkpoint, name, tmp_path):
+  model, (cfg, _, params) = checkpoint(name)
+  out = str(tmp_path / "export")
+  save_pretrained(cfg, params, out, max_shard_bytes=64 << 10)  # small shards: exercises the index file
+  assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["architectures"] == [type(model).__name__]
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+  with open(os.path.join(out, "model.safetensors.index.json")) as f:
+    exported_names = set(json.load(f)["weight_map"])
+  assert exported_names == {n for n, _ in model.named_parameters()}  # a tied lm_head is not listed
+  tokens, valid = _batch(2, 12, pad=4)
+  np.testing.assert_allclose(_hf_logits(reloaded, tokens, valid)[valid], _hf_logits(model, tokens, valid)[valid],
+                             atol=1e-5)
