@@ -1,10 +1,15 @@
-"""SentencePiece tokenizer: loading, deterministic training, prompt padding and vocab checks.
+"""Tokenizers behind one interface: `Tokenizer.load(path)`, prompt padding and the vocab check.
 
-Id convention used by `train_sentencepiece`: pad=0, bos=1, eos=2, unk=3. The trainer needs PAD (to fill buffers)
-and EOS (to stop sampling), so `Tokenizer.load` refuses models without them.
+Two kinds, chosen by `Tokenizer.load` from the path: SentencePiece `.model` files (Llama 2, Gemma, Mistral; our
+own, written by `train_sentencepiece`) and Hugging Face `tokenizer.json` files or their directories (Llama 3, Qwen;
+`jaxrl_batch.hf_tokenizer`, which needs the `hf` extra). The trainer needs PAD (to fill buffers) and EOS (to stop
+sampling); BOS is optional: a prompt is `bos_ids + encode(text)`.
+
+Id convention used by `train_sentencepiece`: pad=0, bos=1, eos=2, unk=3.
 """
 from __future__ import annotations
 
+import abc
 import io
 import os
 import tempfile
@@ -13,9 +18,100 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from jaxrl_batch import chat_template as chat_template_lib
 
-class Tokenizer:
-  """A loaded SentencePiece model; build it with `Tokenizer.load(path)`."""
+
+class Tokenizer(abc.ABC):
+  """Text <-> ids of one model; build it with `Tokenizer.load(path)`. Every id is in [0, vocab_size)."""
+
+  @staticmethod
+  def load(path: str | os.PathLike) -> Tokenizer:
+    """A directory holding `tokenizer.json`, or a `.json` file: a Hugging Face tokenizer. Anything else: a
+    SentencePiece model file. Raises if the file is missing, unreadable, or lacks EOS (or PAD, for SentencePiece)."""
+    path = os.fspath(path)
+    if not (os.path.isdir(path) or path.endswith(".json")):
+      return SentencePieceTokenizer.from_model_file(path)
+    try:
+      from jaxrl_batch import hf_tokenizer  # pylint: disable=import-outside-toplevel
+    except ModuleNotFoundError as e:
+      if e.name != "tokenizers":
+        raise
+      raise ImportError(f"{path!r} is a Hugging Face tokenizer, which needs the `tokenizers` package: "
+                        "pip install -e '.[hf]'.") from e
+    return hf_tokenizer.HFTokenizer.from_pretrained(path)
+
+  @property
+  @abc.abstractmethod
+  def path(self) -> str:
+    """The file this tokenizer was loaded from."""
+
+  @property
+  @abc.abstractmethod
+  def vocab_size(self) -> int:
+    """Number of ids, special tokens included; every id is in [0, vocab_size)."""
+
+  @property
+  @abc.abstractmethod
+  def bos_id(self) -> int:
+    """Beginning-of-sequence id, or -1 if the tokenizer has none (never added by `encode`)."""
+
+  @property
+  @abc.abstractmethod
+  def eos_id(self) -> int:
+    """End-of-sequence id; the sampler stops at it."""
+
+  @property
+  @abc.abstractmethod
+  def pad_id(self) -> int:
+    """Padding id."""
+
+  @abc.abstractmethod
+  def encode(self, text: str) -> list[int]:
+    """Encodes `text` to ids, adding no BOS/EOS."""
+
+  @abc.abstractmethod
+  def _decode(self, ids: list[int]) -> str:
+    """Text of ids already checked to lie in [0, vocab_size), skipping special tokens."""
+
+  @property
+  def bos_ids(self) -> list[int]:
+    """What a prompt starts with: `[bos_id]`, or `[]` for tokenizers without BOS (Qwen)."""
+    return [] if self.bos_id < 0 else [self.bos_id]
+
+  @property
+  def chat_template(self) -> str | None:
+    """The checkpoint's chat template text (Jinja), or None; SentencePiece files carry none."""
+    return None
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Decodes ids to text, skipping special tokens (PAD/BOS/EOS; for Hugging Face tokenizers, every added token
+    marked special); accepts lists and 1-D int arrays."""
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise ValueError(f"Token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}) of {self.path!r}; "
+                       "the model's vocab_size exceeds the tokenizer's, so mask ids >= tokenizer.vocab_size.")
+    return self._decode(ids)
+
+  def apply_chat_template(self, messages: str | Sequence[chat_template_lib.Message], template: str = "auto",
+                          add_generation_prompt: bool = True) -> str:
+    """Prompt text of `messages` (a str is one user message) in `template`, without BOS (see
+    `jaxrl_batch.chat_template`): encode it as `bos_ids + encode(text)`.
+
+    `template`: "auto" (the family of this checkpoint's template; none if it has none), "none" (a str is returned
+    as it is), or a family name from `chat_template.FAMILIES`.
+    """
+    chat = chat_template_lib.resolve(template, self.chat_template)
+    if chat is not None:
+      return chat.render(messages, add_generation_prompt)
+    if not isinstance(messages, str):
+      raise ValueError(f"Chat messages need a chat template, but {self.path!r} has none and template={template!r};"
+                       f" name one of {chat_template_lib.FAMILIES}, or pass the prompt as a string.")
+    return messages
+
+
+class SentencePieceTokenizer(Tokenizer):
+  """A loaded SentencePiece model; PAD/BOS/EOS are its pad, bos and eos pieces."""
 
   def __init__(self, processor: spm.SentencePieceProcessor, path: str):
     self._sp = processor
@@ -23,11 +119,12 @@ class Tokenizer:
     self._special_ids = frozenset(i for i in (self.pad_id, self.bos_id, self.eos_id) if i >= 0)
 
   @classmethod
-  def load(cls, path: str | os.PathLike) -> Tokenizer:
+  def from_model_file(cls, path: str | os.PathLike) -> SentencePieceTokenizer:
     """Loads a `.model` file; raises if it is missing, not a SentencePiece model, or lacks PAD or EOS."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"Tokenizer model not found: {path!r}. Pass the path of a SentencePiece .model file.")
+      raise FileNotFoundError(f"Tokenizer model not found: {path!r}. Pass the path of a SentencePiece .model file, "
+                              "or of a Hugging Face tokenizer.json or its directory.")
     processor = spm.SentencePieceProcessor()
     try:
       processor.Load(model_file=path)
@@ -47,40 +144,29 @@ class Tokenizer:
 
   @property
   def vocab_size(self) -> int:
-    """Number of ids; every id is in [0, vocab_size)."""
     return self._sp.vocab_size()
 
   @property
   def bos_id(self) -> int:
-    """Beginning-of-sequence id, or -1 if the model has none (never added by `encode`)."""
     return self._sp.bos_id()
 
   @property
   def eos_id(self) -> int:
-    """End-of-sequence id; the sampler stops at it."""
     return self._sp.eos_id()
 
   @property
   def pad_id(self) -> int:
-    """Padding id."""
     return self._sp.pad_id()
 
   def encode(self, text: str) -> list[int]:
-    """Encodes `text` to ids, adding no BOS/EOS."""
     return self._sp.encode(text)
 
-  def decode(self, ids: Iterable[int]) -> str:
-    """Decodes ids to text, skipping PAD/BOS/EOS; accepts lists and 1-D int arrays."""
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < self.vocab_size]
-    if bad:
-      raise ValueError(f"Token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}) of {self.path!r}; "
-                       "the model's vocab_size exceeds the tokenizer's, so mask ids >= tokenizer.vocab_size.")
+  def _decode(self, ids: list[int]) -> str:
     return self._sp.decode([i for i in ids if i not in self._special_ids])
 
 
 def train_sentencepiece(texts: Iterable[str], out_path: str | os.PathLike, vocab_size: int,
-                        **options) -> Tokenizer:
+                        **options) -> SentencePieceTokenizer:
   """Trains a SentencePiece model on `texts` and writes it atomically to `out_path`.
 
   Training is single-threaded and reads every sentence, so the same inputs give the same model. Defaults: ids
@@ -103,7 +189,7 @@ def train_sentencepiece(texts: Iterable[str], out_path: str | os.PathLike, vocab
   except BaseException:
     os.unlink(tmp_path)
     raise
-  return Tokenizer.load(out_path)
+  return SentencePieceTokenizer.from_model_file(out_path)
 
 
 def left_pad(token_lists: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,6 +213,7 @@ def left_pad(token_lists: Sequence[Sequence[int]], length: int, pad_id: int) -> 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
   """Raises ValueError if the tokenizer emits ids outside a model embedding table of `model_vocab_size` rows."""
   if tokenizer.vocab_size > model_vocab_size:
-    raise ValueError(f"Tokenizer {tokenizer.path!r} has {tokenizer.vocab_size} ids but the model's embedding has "
-                     f"only {model_vocab_size} rows, so some ids would index outside it. Set model.vocab_size >= "
-                     f"{tokenizer.vocab_size}, or use the tokenizer the checkpoint was trained with.")
+    raise ValueError(f"Tokenizer {tokenizer.path!r} has {tokenizer.vocab_size} ids (largest {tokenizer.vocab_size - 1}"
+                     f", special tokens included) but the model's embedding has only {model_vocab_size} rows, so some "
+                     f"ids would index outside it. Set model.vocab_size >= {tokenizer.vocab_size}, or use the "
+                     "tokenizer the checkpoint was trained with.")

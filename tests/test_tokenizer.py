@@ -1,9 +1,12 @@
-"""Tokenizer wrapper: loading errors, special ids, decoding, padding and the vocab check."""
+"""SentencePiece tokenizers and the shared interface: loading, special ids, decoding, padding, chat templates and
+the vocab check. Hugging Face tokenizers: test_hf_tokenizer.py."""
 import os
+import sys
 
 import numpy as np
 import pytest
 
+import jaxrl_batch
 from jaxrl_batch import tokenizer as tokenizer_lib
 
 CORPUS = ["the cat sat on the mat", "a dog ate 12 bones", "cats and dogs 345"] * 20
@@ -87,3 +90,41 @@ def test_check_vocab(tok):
   tokenizer_lib.check_vocab(tok, tok.vocab_size)
   with pytest.raises(ValueError, match=f"{tok.vocab_size} ids .* only {tok.vocab_size - 1} rows.*model.vocab_size"):
     tokenizer_lib.check_vocab(tok, tok.vocab_size - 1)
+
+
+def test_load_dispatches_on_the_path(tok):
+  assert isinstance(tok, tokenizer_lib.SentencePieceTokenizer)
+  loaded = tokenizer_lib.Tokenizer.load(tok.path)
+  assert isinstance(loaded, tokenizer_lib.SentencePieceTokenizer) and isinstance(loaded, tokenizer_lib.Tokenizer)
+  assert loaded.encode("the dog sat") == tok.encode("the dog sat")
+
+
+def test_json_path_without_tokenizers_package(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tokenizers", None)  # Importing it now fails, as when it is not installed.
+  monkeypatch.delitem(sys.modules, "jaxrl_batch.hf_tokenizer", raising=False)
+  monkeypatch.delattr(jaxrl_batch, "hf_tokenizer", raising=False)
+  with pytest.raises(ImportError, match="needs the `tokenizers` package: pip install"):
+    tokenizer_lib.Tokenizer.load(tmp_path / "tokenizer.json")
+
+
+def test_bos_ids(tok, tmp_path):
+  assert tok.bos_ids == [tok.bos_id] == [1]
+  no_bos = _train(tmp_path / "t.model", bos_id=-1, eos_id=1, unk_id=2)
+  assert (no_bos.bos_id, no_bos.bos_ids) == (-1, [])
+
+
+def test_chat_template_on_a_model_file(tok):
+  assert tok.chat_template is None
+  assert tok.apply_chat_template("the cat") == tok.apply_chat_template("the cat", "none") == "the cat"
+  assert tok.apply_chat_template("hi", "chatml") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+  with pytest.raises(ValueError, match="need a chat template, but .* has none and template='auto'"):
+    tok.apply_chat_template([dict(role="user", content="the cat")])
+
+
+def test_gemma_markers_as_user_defined_pieces_encode_to_one_id(tmp_path):
+  markers = ["<start_of_turn>", "<end_of_turn>"]
+  gemma = _train(tmp_path / "g.model", user_defined_symbols=markers)
+  marker_ids = [gemma._sp.piece_to_id(m) for m in markers]
+  ids = gemma.encode(gemma.apply_chat_template("the cat", "gemma"))
+  assert [i for i in ids if i in marker_ids] == marker_ids + marker_ids[:1]
+  assert gemma.decode(ids).count("<start_of_turn>") == 2  # User-defined pieces decode as text, not skipped.
