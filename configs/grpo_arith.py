@@ -24,13 +24,18 @@ GROUP_SIZE = 8  # Samples per prompt when the family scales prompts per step.
 BASE_PROMPTS = BASE_BATCH // GROUP_SIZE  # Prompts per step when the family scales the group size.
 
 
+def parse(arg: str | None) -> ml_collections.ConfigDict:
+  """The config argument's fields, with defaults."""
+  return parse_arg(arg, batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", debug=False)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """`arg`: 'batch=<rollouts per update>,lr_rule=<none|linear|sqrt|adam_sde>,seed=<int>,
   family_axis=<prompts|group_size>,debug'.
 
   Without `batch`, the member is the family's base (B0 = 128; 32 under `debug`).
   """
-  arg = parse_arg(arg, batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", debug=False)
+  arg = parse(arg)
   if arg.family_axis not in ("prompts", "group_size"):
     raise ValueError(f"family_axis={arg.family_axis!r}: use prompts (group size fixed) or group_size.")
   c = ml_collections.ConfigDict()
@@ -63,19 +68,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # Device mesh; -1 takes the rest.
   c.sharding_rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes.
 
-  c.algo = "grpo"  # RL algorithm.
-  c.batch_size = arg.batch or BASE_BATCH  # B: rollouts per update (= prompts per step x group_size).
+  c.algo = "grpo"  # RL algorithm: grpo (critic-free) | ppo (critic + GAE; see configs/ppo_arith.py).
+  c.batch_size = arg.batch or BASE_BATCH  # B: rollouts per step (= prompts per step x group_size).
   c.family_axis = arg.family_axis  # Batch axis the family scales: prompts (group size fixed) | group_size.
-  # Samples per prompt; GRPO normalises rewards within each group.
+  # Samples per prompt; group estimators compare the samples of a prompt.
   c.group_size = GROUP_SIZE if arg.family_axis == "prompts" else c.batch_size // BASE_PROMPTS
-  # Rollouts per forward/backward (gradient accumulation; 0 = the whole batch). With >= 2 micro-batches per update
-  # the trainer also logs the gradient noise scale B_simple (`noise_scale`).
+  # Rollouts per forward/backward (gradient accumulation; 0 = the whole mini-batch). With >= 2 micro-batches per
+  # update the trainer also logs the gradient noise scale B_simple (`noise_scale`).
   c.micro_batch_size = 32
-  c.grpo = ml_collections.ConfigDict(dict(
-      clip_eps=0.2,  # PPO ratio clip epsilon.
-      kl_coef=0.0,  # Weight of the k3 KL to the frozen base policy; 0 skips the reference model entirely.
-      normalize_std=True,  # Divide group-centred rewards by the group std (False = Dr.GRPO-style).
-  ))
+  c.rl = rl_config()
+  c.critic = critic_config()
   c.sampling = ml_collections.ConfigDict(dict(
       temperature=1.0,  # Rollout temperature (the trainer scores log-probs at the same temperature).
       top_k=0,  # 0 = off.
@@ -124,6 +126,64 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.log_every_steps = 1
     c.sft.update(steps=20, batch_size=16, warmup_steps=2)
   return c
+
+
+def rl_config() -> ml_collections.ConfigDict:
+  """The algorithm's knobs (jaxrl_batch.rl.algorithm.AlgoConfig checks their combinations)."""
+  return ml_collections.ConfigDict(dict(
+      # Advantages: grpo (group mean/std) | drgrpo (group mean, no std) | rloo (leave-one-out mean) |
+      # reinforce_pp (batch-whitened return) | reinforce_pp_baseline (group mean, then batch whitening) | gae (PPO).
+      estimator="grpo",
+      gamma=1.0,  # Discount over response tokens (reinforce_pp*, gae and the returns).
+      lam=1.0,  # GAE lambda.
+      whiten_advantages=False,  # Whiten advantages over the batch's response tokens (usual for PPO).
+      clip_low=0.2,  # Ratio clip below: 1 - clip_low.
+      clip_high=0.2,  # Ratio clip above: 1 + clip_high (clip-higher, DAPO: 0.28).
+      dual_clip=0.0,  # Dual-clip constant c > 1 capping the loss of A < 0 tokens at -c * A; 0 = off.
+      ratio_level="token",  # token | sequence (GSPO: the sequence's mean log-ratio on every token).
+      # Loss aggregation, always over global counts of the mini-batch: token_mean | seq_mean_token_mean |
+      # seq_mean_token_sum | constant (sum over tokens / loss_agg_constant, mean over sequences: Dr.GRPO).
+      loss_agg="token_mean",
+      loss_agg_constant=0.0,  # The constant normaliser in tokens; 0 = the response budget (max new tokens).
+      kl_coef=0.0,  # KL weight (initial value when adaptive); 0 = no KL term and no reference model in memory.
+      kl_estimator="k3",  # k1 | k2 | k3 (Schulman's estimators of KL(pi || pi_ref) per token).
+      kl_in="loss",  # loss | reward (-kl_coef * k1 added to each token's reward; needs kl_estimator='k1').
+      kl_target=0.0,  # > 0: adapt kl_coef towards this per-token KL (Ziegler et al.); 0 = fixed coefficient.
+      kl_horizon=10_000,  # Adaptive controller horizon, in samples.
+      epochs=1,  # Passes over each rollout batch.
+      mini_batches=1,  # Optimizer updates per pass (the batch is shuffled and split into this many).
+      old_logp="sampler",  # The ratio's denominator: sampler (behaviour log-probs) | trainer (recomputed).
+      tis_cap=0.0,  # Truncated importance sampling min(pi_trainer / pi_sampler, cap) on the loss; 0 = off.
+      dynamic_sampling=False,  # Drop groups whose rewards are all equal and refill the batch (DAPO).
+      max_sampling_rounds=3,  # Bound on sampling rounds per step under dynamic sampling.
+      overlong="none",  # Truncated responses: none | mask (out of the loss) | penalty (reward offset).
+      overlong_buffer=0,  # Penalty ramps from 0 at (response budget - buffer) tokens to -penalty at the budget.
+      overlong_penalty=1.0,  # Reward offset of a truncated response (the end of the ramp).
+      entropy_coef=0.0,  # Entropy bonus weight (0 = off; entropy is logged either way).
+  ))
+
+
+def critic_config() -> ml_collections.ConfigDict:
+  """The value model (used by algo='ppo' only) and its own optimizer and batch-family rule."""
+  return ml_collections.ConfigDict(dict(
+      share_backbone=False,  # True: value head on the policy; False: a separate critic network.
+      num_layers=0,  # Separate critic: the policy's first num_layers blocks (0 = all), initialised from the base.
+      vf_clip=0.2,  # Value clipping around the old values; 0 = off.
+      vf_coef=1.0,  # Weight of the value loss (with a shared backbone it trades against the policy loss).
+      warmup_steps=0,  # Steps at the start in which only the critic learns (the actor is frozen).
+      optim=ml_collections.ConfigDict(dict(
+          base_lr=1e-4,  # Critic lr0 at base_batch; retuned by its own lr_rule.
+          base_batch=BASE_BATCH,  # B0 of the critic's family.
+          lr_rule="sqrt",  # none | linear | sqrt | adam_sde, independent of the actor's.
+          lr=-1.0,  # Explicit critic lr; > 0 overrides the rule.
+          b1=0.9, b2=0.999, eps=1e-8,  # Adam.
+          weight_decay=0.0,  # Decoupled weight decay.
+          grad_clip=1.0,  # Global-norm clip; 0 disables.
+          warmup_samples=0,  # Linear warmup in samples.
+          schedule="constant",  # constant | cosine.
+          final_lr_frac=0.1,  # End of the cosine.
+      )),
+  ))
 
 
 def sweep() -> list[str]:

@@ -2,6 +2,7 @@
 import jax
 import numpy as np
 
+from jaxrl_batch.distributed import to_host
 from jaxrl_batch.experiment import Experiment
 from jaxrl_batch.sampling import SamplingParams, generate
 from jaxrl_batch.sharding import data_parallel_size
@@ -32,6 +33,6 @@ def eval_accuracy(exp: Experiment, graphdef, params) -> float:
   with jax.set_mesh(exp.mesh):
     out = generate(graphdef, params, tokens, valid, jax.random.key(0), max_new_tokens=exp.response_len,
                    eos_id=exp.tokenizer.eos_id, pad_id=exp.tokenizer.pad_id, sampling=SamplingParams(temperature=0.0))
-  completions = exp.decode_responses(np.asarray(out.tokens_BxN), np.asarray(out.mask_BxN))
+  completions = exp.decode_responses(*to_host((out.tokens_BxN, out.mask_BxN)))
   rewards, _, _ = safe_rewards(exp.task, completions[: len(problems)], problems)
   return float(rewards.mean())

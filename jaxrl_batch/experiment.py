@@ -14,28 +14,33 @@ from flax import nnx
 from jaxrl_batch import sharding, tasks
 from jaxrl_batch import tokenizer as tokenizer_lib
 from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.sampling import SamplingParams
 
 
 def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
-  """Refuses batch settings that cannot run, naming the field and the fix."""
+  """Refuses batch and algorithm settings that cannot run, naming the field and the fix."""
+  algo = AlgoConfig.from_config(config)
   b, g = config.batch_size, config.group_size
-  if g < 2:
-    raise ValueError(f"group_size={g}: GRPO normalises rewards within a group, so it needs group_size >= 2.")
+  if g < 1:
+    raise ValueError(f"group_size={g}: sample at least one response per prompt.")
   if b <= 0 or b % g:
     raise ValueError(f"batch_size={b} must be a positive multiple of group_size={g} (batch = prompts x group "
                      f"size); e.g. batch_size={max(g, b - b % g)}.")
-  if b % data_parallel:
-    raise ValueError(f"batch_size={b} must be divisible by the data-parallel device count {data_parallel} "
-                     "(mesh.data x mesh.fsdp); change batch_size or config.mesh.")
-  micro = config.micro_batch_size or b
-  if b % micro or micro % data_parallel:
-    raise ValueError(f"micro_batch_size={config.micro_batch_size} must divide batch_size={b} and be divisible by "
-                     f"the data-parallel device count {data_parallel}; 0 uses the whole batch.")
+  if b % algo.mini_batches:
+    raise ValueError(f"batch_size={b} must be divisible by rl.mini_batches={algo.mini_batches}.")
+  mini = b // algo.mini_batches
+  if mini % data_parallel:
+    raise ValueError(f"The mini-batch (batch_size / rl.mini_batches = {mini}) must be divisible by the "
+                     f"data-parallel device count {data_parallel} (mesh.data x mesh.fsdp); change batch_size, "
+                     "rl.mini_batches or config.mesh.")
+  micro = config.micro_batch_size or mini
+  if mini % micro or micro % data_parallel:
+    raise ValueError(f"micro_batch_size={config.micro_batch_size} must divide the mini-batch (batch_size / "
+                     f"rl.mini_batches = {mini}) and be divisible by the data-parallel device count {data_parallel};"
+                     " 0 uses the whole mini-batch.")
   if config.sample_budget < b:
     raise ValueError(f"sample_budget={config.sample_budget} is smaller than one batch ({b} rollouts).")
-  if config.algo != "grpo":
-    raise ValueError(f"algo={config.algo!r} is not available; this build implements 'grpo'.")
 
 
 @dataclasses.dataclass
@@ -59,7 +64,7 @@ class Experiment:
     tokenizer = tokenizer_lib.Tokenizer.load(config.tokenizer_path or task.tokenizer_path())
     model_cfg = ModelConfig.from_config(config.model)
     tokenizer_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-    prompt_len = 1 + task.max_prompt_len(tokenizer)
+    prompt_len = len(tokenizer.bos_ids) + task.max_prompt_len(tokenizer)
     response_len = task.max_answer_len(tokenizer) + config.extra_response_tokens
     return cls(config, mesh, tokenizer, task, model_cfg, prompt_len, response_len)
 
@@ -80,7 +85,7 @@ class Experiment:
 
   def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
     """(tokens_BxP, valid_BxP): BOS + prompt, left-padded to `prompt_len`."""
-    ids = [[self.tokenizer.bos_id] + self.tokenizer.encode(p.prompt) for p in problems]
+    ids = [self.tokenizer.bos_ids + self.tokenizer.encode(p.prompt) for p in problems]
     return tokenizer_lib.left_pad(ids, self.prompt_len, self.tokenizer.pad_id)
 
   def decode_responses(self, tokens_BxN: np.ndarray, mask_BxN: np.ndarray) -> list[str]:
@@ -96,8 +101,15 @@ class Experiment:
             for row, keep in zip(tokens_BxN.tolist(), mask_BxN.tolist())]
 
   def shard_batch(self, tree):
-    """Places host arrays with their leading (batch) dimension split over the data-parallel axes."""
-    return jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(self.mesh, np.ndim(x))), tree)
+    """Places host arrays with their leading (batch) dimension split over the data-parallel axes.
+
+    Every process holds the same full arrays (computed from (seed, step)) and copies only the shards of its own
+    devices, so a multi-host batch needs no cross-host transfer.
+    """
+    def place(x):
+      x = np.asarray(x)
+      return jax.make_array_from_callback(x.shape, sharding.batch_sharding(self.mesh, x.ndim), lambda idx: x[idx])
+    return jax.tree.map(place, tree)
 
   def log_layout(self) -> None:
     logging.info("Devices: %d (%s), processes: %d; mesh %s.", jax.device_count(), jax.devices()[0].platform,

@@ -1,9 +1,14 @@
-"""`workdir/metrics.jsonl`: one JSON object per line, appended as the run goes, trimmed on resume."""
+"""`workdir/metrics.jsonl`: one JSON object per line, appended as the run goes, trimmed on resume.
+
+In a multi-process run only process 0 writes; every process may read.
+"""
 import json
 import math
 import os
 
 import numpy as np
+
+from jaxrl_batch.distributed import is_main_process
 
 
 def _plain(value):
@@ -20,6 +25,8 @@ class MetricsLog:
     self.path = path
 
   def write(self, row: dict) -> None:
+    if not is_main_process():
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
 
@@ -31,6 +38,8 @@ class MetricsLog:
 
   def truncate_after(self, step: int) -> None:
     """Drops rows logged after `step` (work a resumed run will redo); atomic replace."""
+    if not is_main_process():
+      return
     rows = [r for r in self.read() if r.get("step", 0) <= step]
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:

@@ -59,8 +59,11 @@ def sample_schedule(peak_lr: float, samples_per_update: int, warmup_samples: int
   return schedule
 
 
-def make_optimizer(optim_cfg: Any, samples_per_update: int, sample_budget: int) -> Optimizer:
-  """AdamW (optionally after global-norm clipping) for a member with `samples_per_update` rollouts/update.
+def make_optimizer(optim_cfg: Any, samples_per_update: int, sample_budget: int, updates_per_batch: int = 1) -> Optimizer:
+  """AdamW (optionally after global-norm clipping) for a member with `samples_per_update` rollouts per step.
+
+  The family rule sees the batch `samples_per_update`; with `updates_per_batch` > 1 (epochs x mini-batches) the
+  schedule advances samples_per_update / updates_per_batch samples per optimizer update.
 
   `optim_cfg` fields: base_lr, base_batch, lr_rule, lr (explicit peak lr; <= 0 derives it by the rule at
   batch = samples_per_update), b1, b2, eps, weight_decay (decoupled, multiplied by the lr as in
@@ -69,7 +72,7 @@ def make_optimizer(optim_cfg: Any, samples_per_update: int, sample_budget: int) 
   """
   lr = family.derive_lr(optim_cfg.base_lr, optim_cfg.base_batch, samples_per_update,
                         optim_cfg.lr_rule, optim_cfg.lr)
-  schedule = sample_schedule(lr.lr, samples_per_update, optim_cfg.warmup_samples,
+  schedule = sample_schedule(lr.lr, samples_per_update / updates_per_batch, optim_cfg.warmup_samples,
                              optim_cfg.schedule, sample_budget, optim_cfg.final_lr_frac)
   if optim_cfg.grad_clip < 0:
     raise ValueError(f"grad_clip must be >= 0 (global norm; 0 disables), got {optim_cfg.grad_clip}.")

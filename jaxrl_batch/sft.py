@@ -2,7 +2,8 @@
 
 RL needs a policy that sometimes succeeds; this trains one from scratch on the task's own examples. The result is
 cached under a key of everything it depends on (model, task, SFT settings, seed, tokenizer), so every member of a
-batch family starts from the same base.
+batch family starts from the same base. In a multi-process run every process takes part in training it (one
+global program) and in orbax's save and restore of the cache, which must be on a filesystem every host sees.
 """
 import functools
 import hashlib
@@ -67,6 +68,9 @@ def cache_key(exp: Experiment) -> str:
 
 
 def base_dir(exp: Experiment) -> str:
+  if not exp.config.sft.cache_dir and jax.process_count() > 1:
+    raise ValueError("Several processes save and restore the base policy together: set --config.sft.cache_dir to "
+                     "a directory every host sees (the default is under each host's home).")
   root = exp.config.sft.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxrl_batch", "base")
   return os.path.join(root, cache_key(exp))
 

@@ -4,13 +4,15 @@ r"""Supervised warm start: trains (or reuses) the cached base policy that RL sta
 
 The base policy is cached under `config.sft.cache_dir` (default ~/.cache/jaxrl_batch/base/<key>), keyed by the
 model, task, SFT settings, seed and tokenizer; `launch.train` reuses it. --workdir overrides the cache location.
+With --distributed (launch/runtime.py) every host runs the same command and the cache must be on a shared
+filesystem.
 """
 from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrl_batch import sft
 from jaxrl_batch.experiment import Experiment
-from launch import logs
+from launch import runtime
 
 config_flags.DEFINE_config_file("config", None, "Config file (`path.py:args`).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Where to write the base checkpoint (default: the shared cache).")
@@ -20,7 +22,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  logs.setup()
+  runtime.setup()
   exp = Experiment.create(FLAGS.config)
   exp.log_layout()
   sft.load_or_train(exp, FLAGS.workdir)

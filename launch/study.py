@@ -6,12 +6,13 @@ r"""Runs a batch family at equal sample budgets: every rule x batch x seed in it
 
 Rerunning the command skips finished members and resumes unfinished ones. Without --batches/--rules, the members
 come from the config file's sweep(). `--set=key=value` (repeatable) overrides a field in every member, e.g.
-`--set=sample_budget=16384`.
+`--set=sample_budget=16384`. With --distributed (launch/runtime.py) every host runs the same command; the
+study directory must then be on a filesystem every host sees.
 """
 from absl import app, flags
 
 from jaxrl_batch.study import run_study
-from launch import logs
+from launch import runtime
 
 flags.DEFINE_string("config", None, "Config file, optionally with base args (`configs/grpo_arith.py:debug`).")
 flags.DEFINE_string("workdir", None, "Study directory; one subdirectory per member.")
@@ -25,7 +26,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  logs.setup()
+  runtime.setup()
   run_study(FLAGS.config, FLAGS.workdir, [int(b) for b in FLAGS.batches], FLAGS.rules, FLAGS.seeds, FLAGS.set)
 
 

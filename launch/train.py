@@ -4,27 +4,29 @@ r"""Trains one member of a batch family with GRPO.
   python -m launch.train --config=configs/grpo_arith.py:batch=256,lr_rule=sqrt --workdir=/tmp/b256 \
       --config.sample_budget=81920
 
-Rerunning the same command resumes from the latest checkpoint in --workdir.
+Rerunning the same command resumes from the latest checkpoint in --workdir. On many hosts, every process runs the
+same command with --distributed (launch/tpu_pod.sh, launch/slurm_gpu.sbatch); --workdir and --config.sft.cache_dir
+must then be on a filesystem every host sees. Two processes on one machine (CPU, 2 devices each):
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m launch.train --config=configs/grpo_arith.py:debug \
+      --workdir=/tmp/mp --config.sft.cache_dir=/tmp/mp_base --distributed --coordinator=localhost:12355 \
+      --num_processes=2 --process_id=0    # and the same with --process_id=1
 """
-import jax
 from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrl_batch.trainer import Trainer
-from launch import logs
+from launch import runtime
 
 config_flags.DEFINE_config_file("config", None, "Config file (`path.py:args`).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints/, metrics.jsonl, config.json.")
-flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (TPU pods, SLURM/GPU clusters).")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
-  if FLAGS.distributed:
-    jax.distributed.initialize()
-  logs.setup()
+  runtime.setup()
   Trainer(FLAGS.config, FLAGS.workdir).run()
 
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_batch.rl import advantages
+from jaxrl_batch.rl import advantages, returns
 
 
 def test_normalized_advantages_use_population_std():
@@ -48,3 +48,68 @@ def test_zero_std_group_frac():
 def test_rejects_bad_shapes(rewards_B, group_size, match):
   with pytest.raises(ValueError, match=match):
     advantages.group_advantages(rewards_B, group_size)
+
+
+def test_rloo_is_leave_one_out():
+  # Group [1, 0, 0, 1]: r_0 - mean(0, 0, 1) = 2/3.
+  adv_B = advantages.rloo_advantages(jnp.array([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0]), group_size=4)
+  np.testing.assert_allclose(adv_B, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0], rtol=1e-6, atol=1e-7)
+
+
+def test_outcome_reward_sits_on_the_last_response_token():
+  mask = jnp.array([[0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+  np.testing.assert_array_equal(advantages.outcome_rewards(jnp.array([2.0, 5.0, -1.0]), mask),
+                                [[0, 0, 2, 0], [0, 0, 0, 0], [0, 0, 0, -1]])
+
+
+def test_gae_hand_computed():
+  # Row 0 (gamma 1, lambda 0.5), values 0.5, 0.6, 0.8 and reward 1 at the end:
+  # deltas 0.1, 0.2, 0.2 -> A_3 = 0.2, A_2 = 0.2 + 0.5 * 0.2 = 0.3, A_1 = 0.1 + 0.5 * 0.3 = 0.25.
+  # Row 1: the response ends at t = 2; the value 5 at t = 3 (padding) must not be bootstrapped.
+  mask = jnp.array([[0, 1, 1, 1], [0, 1, 1, 0]], bool)
+  rewards = advantages.outcome_rewards(jnp.array([1.0, 1.0]), mask)
+  values = jnp.array([[0.0, 0.5, 0.6, 0.8], [0.0, 0.5, 0.6, 5.0]])
+  adv, ret = returns.gae(rewards, values, mask, gamma=1.0, lam=0.5)
+  # Row 1: delta_2 = 1 - 0.6 = 0.4, delta_1 = 0.6 - 0.5 = 0.1 -> A_1 = 0.1 + 0.5 * 0.4 = 0.3.
+  np.testing.assert_allclose(adv, [[0, 0.25, 0.3, 0.2], [0, 0.3, 0.4, 0]], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(ret, [[0, 0.75, 0.9, 1.0], [0, 0.8, 1.0, 0]], rtol=1e-6, atol=1e-7)
+
+
+def test_gae_with_lambda_1_gives_discounted_returns():
+  mask = jnp.array([[0, 1, 1, 1]], bool)
+  rewards = advantages.outcome_rewards(jnp.array([1.0]), mask)
+  values = jnp.array([[0.0, 0.5, 0.6, 0.8]])
+  _, ret = returns.gae(rewards, values, mask, gamma=0.9, lam=1.0)
+  np.testing.assert_allclose(ret, [[0, 0.81, 0.9, 1.0]], rtol=1e-6)
+  np.testing.assert_allclose(returns.discounted_returns(rewards, mask, 0.9), [[0, 0.81, 0.9, 1.0]], rtol=1e-6)
+
+
+def test_reinforce_pp_whitens_returns_over_the_batch():
+  # Returns [[1, 1], [0]] over 3 tokens: mean 2/3, std sqrt(2)/3 -> (1 - 2/3) / (sqrt(2)/3) = 1/sqrt(2).
+  mask = jnp.array([[0, 1, 1], [0, 1, 0]], bool)
+  adv, ret = advantages.estimate("reinforce_pp", jnp.array([1.0, 0.0]), mask, group_size=1)
+  np.testing.assert_allclose(ret, [[0, 1, 1], [0, 0, 0]])
+  np.testing.assert_allclose(adv, [[0, 2**-0.5, 2**-0.5], [0, -(2**0.5), 0]], rtol=1e-5)
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_first():
+  # Groups [1, 0] and [1, 1]: centred rewards 0.5, -0.5, 0, 0; one token each -> whitened by std sqrt(0.125).
+  mask = jnp.array([[0, 1]] * 4, bool)
+  adv, _ = advantages.estimate("reinforce_pp_baseline", jnp.array([1.0, 0.0, 1.0, 1.0]), mask, group_size=2)
+  np.testing.assert_allclose(adv[:, 1], np.array([0.5, -0.5, 0, 0]) / np.sqrt(0.125), rtol=1e-5)
+
+
+def test_sequence_estimators_broadcast_and_fold_in_token_rewards():
+  mask = jnp.array([[0, 1, 1], [0, 1, 0], [1, 1, 1], [0, 1, 1]], bool)
+  rewards = jnp.array([1.0, 0.0, 1.0, 1.0])
+  kl_rewards = jnp.array([[9.0, -0.1, -0.1], [0, -0.3, 7.0], [0, 0, 0], [0, 0, 0]])  # Off-mask entries ignored.
+  adv, _ = advantages.estimate("drgrpo", rewards, mask, group_size=2, token_rewards_BxT=kl_rewards)
+  # Sequence rewards 0.8, -0.3 -> +-0.55; group 2 equal -> 0.
+  np.testing.assert_allclose(adv, [[0, 0.55, 0.55], [0, -0.55, 0], [0, 0, 0], [0, 0, 0]], rtol=1e-5, atol=1e-7)
+  adv, _ = advantages.estimate("grpo", rewards, mask, group_size=2)
+  np.testing.assert_allclose(adv[:2], [[0, 1, 1], [0, -1, 0]], rtol=1e-4)
+
+
+def test_gae_needs_values():
+  with pytest.raises(ValueError, match="needs critic values"):
+    advantages.estimate("gae", jnp.ones(2), jnp.ones((2, 3), bool), group_size=1)

@@ -12,12 +12,15 @@ import pytest
 
 from configs import grpo_arith
 from jaxrl_batch.checkpointing import Checkpointer
-from jaxrl_batch.rl import grpo
+from configs import ppo_arith
+from jaxrl_batch.rl import learner
 from jaxrl_batch.trainer import Trainer
 
 ONE_DEVICE = jax.devices()[:1]
-TRAIN_FIELDS = {"step", "samples", "wall_s", "rollout_s", "update_s", "lr", "reward_mean", "response_len_mean", "kl",
-                "clip_frac", "entropy", "grad_norm", "noise_scale"}
+TRAIN_FIELDS = {"step", "samples", "samples_generated", "wall_s", "rollout_s", "update_s", "lr", "reward_mean",
+                "response_len_mean", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm",
+                "noise_scale", "zero_std_group_frac", "logp_gap_mean", "returns_mean", "kl_coef"}
+PPO_FIELDS = TRAIN_FIELDS | {"value_loss", "vf_explained_var", "critic_grad_norm"}
 EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy"}
 
 
@@ -26,8 +29,8 @@ def base_cache(tmp_path_factory):
   return str(tmp_path_factory.mktemp("base_cache"))
 
 
-def debug_config(base_cache, **overrides):
-  c = grpo_arith.get_config("debug")
+def debug_config(base_cache, module=grpo_arith, **overrides):
+  c = module.get_config("debug")
   c.sft.cache_dir = base_cache
   c.sample_budget = 192  # 6 steps of 32 rollouts
   c.mesh.data = 1
@@ -67,30 +70,35 @@ def test_run_writes_the_metrics_contract(tmp_path, base_cache):
   assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 6
 
 
-def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch):
+@pytest.mark.parametrize("module, overrides", [
+    (grpo_arith, {}),
+    (ppo_arith, {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}),
+], ids=["grpo", "ppo_adaptive_kl_dynamic_sampling"])
+def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, module, overrides):
   straight = str(tmp_path / "straight")
-  Trainer(debug_config(base_cache), straight, devices=ONE_DEVICE).run()
+  Trainer(debug_config(base_cache, module, **overrides), straight, devices=ONE_DEVICE).run()
 
   resumed = str(tmp_path / "resumed")
   original = Trainer._train_step
-  def crash_at_step_3(self, params, opt_state, step):
+  def crash_at_step_3(self, state, step):
     if step == 3:
       raise KeyboardInterrupt("simulated kill")
-    return original(self, params, opt_state, step)
+    return original(self, state, step)
   monkeypatch.setattr(Trainer, "_train_step", crash_at_step_3)
   with pytest.raises(KeyboardInterrupt):
-    Trainer(debug_config(base_cache), resumed, devices=ONE_DEVICE).run()
+    Trainer(debug_config(base_cache, module, **overrides), resumed, devices=ONE_DEVICE).run()
   monkeypatch.setattr(Trainer, "_train_step", original)
   # Step 3 was logged after the checkpoint at step 2, then the run died: the rerun drops it and redoes it.
-  Trainer(debug_config(base_cache), resumed, devices=ONE_DEVICE).run()
+  Trainer(debug_config(base_cache, module, **overrides), resumed, devices=ONE_DEVICE).run()
 
   a, b = read_rows(straight), read_rows(resumed)
   assert [r["step"] for r in a] == [r["step"] for r in b]
   # The first training row of each session includes compilation; the analysis leaves its seconds out.
   assert [r["cold"] for r in a if "reward_mean" in r] == [True] + [False] * 5
   assert [r["cold"] for r in b if "reward_mean" in r] == [True, False, True, False, False, False]
-  for key in ("reward_mean", "response_len_mean", "grad_norm", "eval_accuracy", "samples"):
-    np.testing.assert_allclose([r.get(key, -1) for r in a], [r.get(key, -1) for r in b], rtol=1e-5)
+  for key in ("reward_mean", "response_len_mean", "grad_norm", "eval_accuracy", "samples", "samples_generated",
+              "kl_coef", "value_loss"):
+    np.testing.assert_allclose([r.get(key, -1) for r in a], [r.get(key, -1) for r in b], rtol=1e-5, err_msg=key)
 
 
 def test_incompatible_workdir_is_refused_without_changes(tmp_path, base_cache):
@@ -103,15 +111,15 @@ def test_incompatible_workdir_is_refused_without_changes(tmp_path, base_cache):
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, base_cache, monkeypatch):
-  original = grpo.update
+  original = learner.update
   calls = []
   def poisoned(*args, **kwargs):
-    params, opt_state, metrics = original(*args, **kwargs)
+    state, metrics = original(*args, **kwargs)
     calls.append(1)
     if len(calls) == 4:
       metrics = dict(metrics, loss=np.float32("nan"))
-    return params, opt_state, metrics
-  monkeypatch.setattr(grpo, "update", poisoned)
+    return state, metrics
+  monkeypatch.setattr(learner, "update", poisoned)
   workdir = str(tmp_path / "run")
   with pytest.raises(FloatingPointError, match=r"at step 4; .*\(step 2\) is intact"):
     Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
@@ -121,9 +129,15 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, ba
 
 @pytest.mark.parametrize("overrides, message", [
     ({"batch_size": 30}, "batch_size=30 must be a positive multiple of group_size=4"),
-    ({"group_size": 1, "batch_size": 32}, "group_size >= 2"),
-    ({"micro_batch_size": 12}, "micro_batch_size=12 must divide batch_size=32"),
-    ({"model.vocab_size": 8}, "has 18 ids but the model's embedding has only 8 rows"),
+    ({"group_size": 1, "batch_size": 32}, "needs group_size >= 2"),
+    ({"rl.estimator": "gae"}, "needs a critic, which only algo='ppo' trains"),
+    ({"rl.mini_batches": 3}, "divisible by rl.mini_batches=3"),
+    ({"rl.tis_cap": 2.0}, "needs rl.old_logp='trainer'"),
+    ({"rl.kl_in": "reward", "rl.kl_coef": 0.1}, "set rl.kl_estimator='k1'"),
+    ({"rl.loss_agg": "seq_mean"}, "rl.loss_agg='seq_mean'"),
+    ({"rl.clip_ratio": 0.2}, "Unknown config.rl keys \\['clip_ratio'\\]"),
+    ({"micro_batch_size": 12}, "micro_batch_size=12 must divide the mini-batch"),
+    ({"model.vocab_size": 8}, "has 18 ids .* but the model's embedding has only 8 rows"),
     ({"model.num_kv_heads": 3}, "multiple of model.num_kv_heads=3"),
     ({"optim.lr_rule": "cubic"}, "cubic"),
     ({"tokenizer_path": "/nonexistent/x.model"}, "x.model"),
@@ -173,3 +187,30 @@ def test_cli_killed_mid_run_resumes_on_eight_devices(tmp_path, base_cache):
   assert "Resuming from step" in out
   steps = [r["step"] for r in read_rows(workdir) if "reward_mean" in r]
   assert steps == list(range(1, 21))
+
+
+def test_ppo_trains_actor_and_critic(tmp_path, base_cache):
+  workdir = str(tmp_path / "ppo")
+  Trainer(debug_config(base_cache, ppo_arith), workdir, devices=ONE_DEVICE).run()
+  train = [r for r in read_rows(workdir) if "reward_mean" in r]
+  assert "grad_norm" not in train[0] and train[0]["value_loss"] >= 0  # Critic warm-up: the actor is frozen.
+  assert all(PPO_FIELDS <= set(r) for r in train[1:])
+  assert all(r["updates"] == 4 for r in train)  # 2 epochs x 2 mini-batches.
+  saved = json.load(open(os.path.join(workdir, "config.json")))["derived"]
+  assert saved["critic_lr"] > 0 and "sqrt" in saved["critic_lr_derivation"]
+
+
+def test_dynamic_sampling_overlong_and_adaptive_kl_in_the_reward(tmp_path, base_cache):
+  workdir = str(tmp_path / "knobs")
+  overrides = {"rl.dynamic_sampling": True, "rl.max_sampling_rounds": 2, "rl.overlong": "mask",
+               "rl.kl_coef": 0.05, "rl.kl_in": "reward", "rl.kl_estimator": "k1", "rl.kl_target": 0.01,
+               "rl.old_logp": "trainer", "rl.tis_cap": 2.0, "rl.estimator": "rloo", "rl.loss_agg": "constant"}
+  Trainer(debug_config(base_cache, **overrides), workdir, devices=ONE_DEVICE).run()
+  train = [r for r in read_rows(workdir) if "reward_mean" in r]
+  for r in train:
+    assert r["samples_generated"] >= r["samples"]
+    assert r["sampling_rounds"] in (1, 2)
+  # Trained rows per step: informative groups, less truncated responses; generated: 32 per round.
+  assert train[-1]["samples"] >= 192 and train[-1]["samples_generated"] == 32 * sum(r["sampling_rounds"] for r in train)
+  coefs = [r["kl_coef"] for r in train]
+  assert coefs[0] == 0.05 and len(set(coefs)) > 1  # The controller moves the coefficient.

@@ -12,22 +12,29 @@ class TrainBatch(NamedTuple):
   """B sequences of T tokens: a left-padded prompt followed by a right-padded response.
 
   Per-token arrays are aligned with `tokens_BxT`: entry t refers to token t, scored from the logits at t - 1
-  (entry 0 is never a loss token).
+  (entry 0 is never a loss token). Float arrays are 0 off the loss mask.
 
   tokens_BxT: int32 ids.
   valid_BxT: bool, not padding.
   loss_mask_BxT: bool, tokens that enter the loss (response tokens up to and including EOS).
-  old_logp_BxT: float32 behaviour log-probs (from the sampler); 0 off the loss mask.
-  ref_logp_BxT: float32 log-probs under the frozen reference policy, or zeros when the KL term is off.
-  adv_B: float32 advantage of each sequence.
+  old_logp_BxT: float32 log-probs of the policy before this step's updates (the PPO ratio's denominator): the
+    sampler's, or the trainer's recomputation (`rl.old_logp`).
+  sampler_logp_BxT: float32 behaviour log-probs reported by the sampler.
+  ref_logp_BxT: float32 log-probs under the frozen reference policy (zeros when there is no KL term).
+  adv_BxT: float32 advantage of each token.
+  returns_BxT: float32 value targets (PPO).
+  old_values_BxT: float32 critic values before this step's updates (PPO; zeros without a critic).
   """
 
   tokens_BxT: jax.Array
   valid_BxT: jax.Array
   loss_mask_BxT: jax.Array
   old_logp_BxT: jax.Array
+  sampler_logp_BxT: jax.Array
   ref_logp_BxT: jax.Array
-  adv_B: jax.Array
+  adv_BxT: jax.Array
+  returns_BxT: jax.Array
+  old_values_BxT: jax.Array
 
 
 def sequence_logprobs(graphdef, params, tokens_BxT, valid_BxT, temperature: float = 1.0):
@@ -36,8 +43,12 @@ def sequence_logprobs(graphdef, params, tokens_BxT, valid_BxT, temperature: floa
   logp_BxT[:, 0] is 0 (the first token has no prefix); logits_BxTxV[:, t] predicts token t + 1.
   """
   logits_BxTxV = sequence_logits(graphdef, params, tokens_BxT, valid_BxT) / temperature
-  logp_BxTm1 = token_logprobs(logits_BxTxV[:, :-1], tokens_BxT[:, 1:])
-  return jnp.pad(logp_BxTm1, ((0, 0), (1, 0))), logits_BxTxV
+  return shifted_logprobs(logits_BxTxV, tokens_BxT), logits_BxTxV
+
+
+def shifted_logprobs(logits_BxTxV, tokens_BxT):
+  """logp_BxT aligned with the tokens: entry t = log p(token t | logits at t - 1); entry 0 is 0."""
+  return jnp.pad(token_logprobs(logits_BxTxV[:, :-1], tokens_BxT[:, 1:]), ((0, 0), (1, 0)))
 
 
 def split_micro_batches(tree, num_micro: int):

@@ -1,11 +1,14 @@
-"""GRPO loss terms as per-token functions plus one global-token aggregation.
+"""Per-token loss terms of GRPO/PPO and the global-count aggregation that combines them.
 
-Per-token values are summed over valid tokens and divided by `num_tokens`, the number of valid tokens
-of the whole mini-batch (not of the micro-batch slice at hand), so that summing the losses or
-gradients of micro-batches gives exactly the full mini-batch value.
+Every per-token term is reduced as sum_t(w_t * x_t) with weights from `token_weights`, computed on the whole
+mini-batch before it is split into micro-batches: summing the micro-batch losses or gradients then gives exactly
+the mini-batch value, whatever the micro-batch size or device count.
 """
 import jax
 import jax.numpy as jnp
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def token_logprobs(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
@@ -21,65 +24,111 @@ def entropy_from_logits(logits_BxTxV: jax.Array) -> jax.Array:
   return -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
 
 
-def clipped_policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
-                        clip_eps: float) -> tuple[jax.Array, jax.Array]:
-  """PPO/GRPO surrogate per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A).
-
-  ratio = exp(logp - old_logp); A is the rollout's advantage broadcast over its tokens.
-  Returns (loss_BxT, clipped_BxT), clipped_BxT a float32 0/1 indicator that the clipped branch is the
-  strictly smaller one (ratio > 1 + eps with A > 0, or ratio < 1 - eps with A < 0); such a token
-  contributes no gradient.
-  """
-  ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
-  adv_Bx1 = adv_B[:, None]
-  unclipped_BxT = ratio_BxT * adv_Bx1
-  clipped_obj_BxT = jnp.clip(ratio_BxT, 1.0 - clip_eps, 1.0 + clip_eps) * adv_Bx1
-  loss_BxT = -jnp.minimum(unclipped_BxT, clipped_obj_BxT)
-  return loss_BxT, (clipped_obj_BxT < unclipped_BxT).astype(jnp.float32)
-
-
-def kl_k3(logp_BxT: jax.Array, ref_logp_BxT: jax.Array) -> jax.Array:
-  """Schulman's k3 estimate of KL(pi || pi_ref) per token: exp(d) - d - 1, d = ref_logp - logp (>= 0)."""
-  d_BxT = ref_logp_BxT - logp_BxT
-  return jnp.exp(d_BxT) - d_BxT - 1.0
-
-
 def masked_token_sum_mean(x_BxT: jax.Array, mask_BxT: jax.Array, num_tokens: jax.Array | int) -> jax.Array:
-  """sum(x * mask) / num_tokens, with num_tokens the valid-token count of the whole mini-batch.
+  """sum(x * mask) / num_tokens, num_tokens counted over the whole mini-batch (0 is treated as 1).
 
-  Masked positions are dropped with `where`, so inf/NaN there do not leak into the value. A global
-  count of 0 is treated as 1 (the result is then 0).
+  Masked positions are dropped with `where`, so inf/NaN there do not leak into the value.
   """
   total = jnp.sum(jnp.where(mask_BxT.astype(bool), x_BxT, 0.0))
   return total / jnp.maximum(num_tokens, 1)
 
 
-def grpo_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, ref_logp_BxT: jax.Array | None,
-              adv_B: jax.Array, mask_BxT: jax.Array, num_tokens: jax.Array | int, clip_eps: float,
-              kl_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped policy loss + kl_coef * k3-KL, each a masked sum over tokens / global `num_tokens`.
+def token_weights(mask_BxT: jax.Array, aggregation: str, constant: float = 1.0) -> jax.Array:
+  """Weights w_BxT (0 off the mask) such that the aggregated loss is sum(w * loss_BxT).
 
-  `kl_coef` must be a Python float (static under jit): at 0 the KL term is not computed and
-  `ref_logp_BxT` may be None. Returns (loss, aux) with aux scalars aggregated the same way (sum them
-  over micro-batches): policy_loss, kl (0.0 when skipped), clip_frac, ratio_mean.
+  With n_i the loss tokens of sequence i, N_tok = sum_i n_i and N_seq the sequences with n_i > 0:
+    token_mean:           w = 1 / N_tok                (every token counts the same)
+    seq_mean_token_mean:  w = 1 / (N_seq * n_i)        (every sequence counts the same)
+    seq_mean_token_sum:   w = 1 / N_seq
+    constant:             w = 1 / (N_seq * constant)   (Dr.GRPO: a fixed length normaliser, e.g. max tokens)
+  Call on the whole mini-batch: the counts are global.
   """
-  loss_BxT, clipped_BxT = clipped_policy_loss(logp_BxT, old_logp_BxT, adv_B, clip_eps)
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"Unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}.")
+  mask_BxT = mask_BxT.astype(jnp.float32)
+  n_B = mask_BxT.sum(axis=1)
+  num_seqs = jnp.maximum(jnp.sum(n_B > 0), 1)
+  if aggregation == "token_mean":
+    return mask_BxT / jnp.maximum(n_B.sum(), 1.0)
+  if aggregation == "seq_mean_token_mean":
+    return mask_BxT / (num_seqs * jnp.maximum(n_B, 1.0))[:, None]
+  if aggregation == "seq_mean_token_sum":
+    return mask_BxT / num_seqs
+  return mask_BxT / (num_seqs * constant)
 
-  def token_mean(x_BxT):
-    return masked_token_sum_mean(x_BxT, mask_BxT, num_tokens)
 
-  policy_loss = token_mean(loss_BxT)
-  if kl_coef == 0.0:
-    kl = jnp.zeros((), jnp.float32)
-  elif ref_logp_BxT is None:
-    raise ValueError(f"kl_coef={kl_coef} needs ref_logp_BxT; pass the reference model's logprobs "
-                     "or set kl_coef=0.")
-  else:
-    kl = token_mean(kl_k3(logp_BxT, ref_logp_BxT))
-  aux = {
-      "policy_loss": policy_loss,
-      "kl": kl,
-      "clip_frac": token_mean(clipped_BxT),
-      "ratio_mean": token_mean(jnp.exp(logp_BxT - old_logp_BxT)),
-  }
-  return policy_loss + kl_coef * kl, aux
+def weighted_sum(x_BxT: jax.Array, weights_BxT: jax.Array) -> jax.Array:
+  """sum(w * x), with x ignored (even inf/NaN) where w == 0."""
+  return jnp.sum(jnp.where(weights_BxT != 0, x_BxT * weights_BxT, 0.0))
+
+
+def log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array, level: str) -> jax.Array:
+  """log(pi / pi_old) per token, 0 off the mask.
+
+  level="token": the token's own log-ratio (PPO/GRPO). level="sequence" (GSPO, Zheng et al. 2025): every token of
+  sequence i carries the sequence's mean log-ratio (1/n_i) sum_t log(pi/pi_old), so clipping acts on whole
+  sequences; aggregate with seq_mean_token_mean to get GSPO's per-sequence objective.
+  """
+  d_BxT = jnp.where(mask_BxT, logp_BxT - old_logp_BxT, 0.0)
+  if level == "token":
+    return d_BxT
+  if level != "sequence":
+    raise ValueError(f"Unknown ratio level {level!r}; use 'token' or 'sequence'.")
+  n_Bx1 = jnp.maximum(mask_BxT.sum(axis=1, keepdims=True), 1)
+  return jnp.broadcast_to(d_BxT.sum(axis=1, keepdims=True) / n_Bx1, d_BxT.shape)
+
+
+def policy_loss(log_ratio_BxT: jax.Array, adv_BxT: jax.Array, clip_low: float, clip_high: float,
+                dual_clip: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """PPO surrogate per token with clip-higher and dual-clip.
+
+  ratio = exp(log_ratio); loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A); with
+  `dual_clip` = c > 1, tokens with A < 0 have their loss capped at -c * A (Ye et al. 2020).
+  Returns (loss_BxT, clipped_low_BxT, clipped_high_BxT): float 0/1 indicators that the clip (not the ratio) sets
+  the loss because ratio < 1 - clip_low with A < 0, or ratio > 1 + clip_high with A > 0 (no gradient there).
+  """
+  ratio_BxT = jnp.exp(log_ratio_BxT)
+  unclipped_BxT = -ratio_BxT * adv_BxT
+  clipped_BxT = -jnp.clip(ratio_BxT, 1.0 - clip_low, 1.0 + clip_high) * adv_BxT
+  loss_BxT = jnp.maximum(unclipped_BxT, clipped_BxT)
+  if dual_clip > 0:
+    loss_BxT = jnp.where(adv_BxT < 0, jnp.minimum(loss_BxT, -dual_clip * adv_BxT), loss_BxT)
+  low_BxT = (ratio_BxT < 1.0 - clip_low) & (adv_BxT < 0)
+  high_BxT = (ratio_BxT > 1.0 + clip_high) & (adv_BxT > 0)
+  return loss_BxT, low_BxT.astype(jnp.float32), high_BxT.astype(jnp.float32)
+
+
+def kl_penalty(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, estimator: str) -> jax.Array:
+  """Per-token estimate of KL(pi || pi_ref) from samples of pi, with r = logp - ref_logp (Schulman 2020):
+  k1 = r (unbiased, signed), k2 = r^2 / 2, k3 = exp(-r) + r - 1 (unbiased, >= 0)."""
+  r_BxT = logp_BxT - ref_logp_BxT
+  if estimator == "k1":
+    return r_BxT
+  if estimator == "k2":
+    return 0.5 * r_BxT**2
+  if estimator == "k3":
+    return jnp.exp(-r_BxT) + r_BxT - 1.0
+  raise ValueError(f"Unknown KL estimator {estimator!r}; use one of {KL_ESTIMATORS}.")
+
+
+def value_loss(values_BxT: jax.Array, old_values_BxT: jax.Array, returns_BxT: jax.Array,
+               clip: float) -> jax.Array:
+  """Clipped value loss per token: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2); c = 0 disables
+  the clipped branch."""
+  unclipped_BxT = (values_BxT - returns_BxT) ** 2
+  if clip <= 0:
+    return 0.5 * unclipped_BxT
+  clipped_BxT = (old_values_BxT + jnp.clip(values_BxT - old_values_BxT, -clip, clip) - returns_BxT) ** 2
+  return 0.5 * jnp.maximum(unclipped_BxT, clipped_BxT)
+
+
+def explained_variance(values_BxT: jax.Array, returns_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+  """1 - Var(R - V) / Var(R) over masked tokens (1 = perfect critic, 0 = no better than a constant)."""
+  m_BxT = mask_BxT.astype(jnp.float32)
+  n = jnp.maximum(m_BxT.sum(), 1.0)
+
+  def var(x_BxT):
+    mean = jnp.sum(x_BxT * m_BxT) / n
+    return jnp.sum(((x_BxT - mean) * m_BxT) ** 2) / n
+
+  return 1.0 - var(returns_BxT - values_BxT) / jnp.maximum(var(returns_BxT), 1e-8)

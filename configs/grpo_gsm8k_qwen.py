@@ -1,0 +1,93 @@
+r"""GRPO on GSM8K-format math with a Qwen-shaped policy: the reference study's family shape on real hardware.
+
+Members scale prompts per step (64 ... 4096) at group size 8; lr0 = 1e-6 at 128 prompts (B0 = 1,024 rollouts),
+retuned by the sqrt rule. `model=` picks the policy:
+  tiny_random     a 2-layer Qwen2-style model with the bundled sample tokenizer: runs end to end on a CPU on the
+                  bundled sample data (a smoke run, not a learning result).
+  qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b
+                  shapes of the released checkpoints; set `init_from` to the Hugging Face directory (config.json,
+                  *.safetensors, tokenizer.json) and `task.path` to your GSM8K JSONL file.
+`mesh=DxFxT` sets the (data, fsdp, tensor) mesh; -1 takes the remaining devices.
+
+Commands (from the repository root):
+  python -m launch.train --config=configs/grpo_gsm8k_qwen.py:model=tiny_random --workdir=/tmp/gsm8k_tiny
+  python -m launch.train --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-0.5b,prompts=128 --workdir=/tmp/q05 \
+      --config.init_from=/data/Qwen2.5-0.5B-Instruct --config.task.path=/data/gsm8k/train.jsonl \
+      --config.task.eval_path=/data/gsm8k/test.jsonl
+  python -m launch.train --distributed --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-7b,mesh=1x-1x4 ...
+"""
+import ml_collections
+
+from configs import grpo_arith
+from jaxrl_batch import sharding
+from jaxrl_batch.config_args import parse_arg
+from jaxrl_batch.tasks import gsm8k
+from jaxrl_batch.tasks.sample_tokenizer import PATH as SAMPLE_TOKENIZER
+
+GROUP_SIZE = 8
+BASE_PROMPTS = 128
+BASE_LR = 1e-6
+
+QWEN2 = dict(qkv_bias=True, rope_theta=1_000_000.0, norm_eps=1e-6, dtype="bfloat16", param_dtype="bfloat16")
+MODELS = {
+    "tiny_random": dict(vocab_size=400, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
+                        tie_embeddings=True, qkv_bias=True, rope_theta=1_000_000.0, norm_eps=1e-6),
+    "qwen2.5-0.5b": dict(vocab_size=151_936, d_model=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                         d_ff=4864, tie_embeddings=True, **QWEN2),
+    "qwen2.5-1.5b": dict(vocab_size=151_936, d_model=1536, num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
+                         d_ff=8960, tie_embeddings=True, **QWEN2),
+    "qwen2.5-7b": dict(vocab_size=152_064, d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                       d_ff=18_944, tie_embeddings=False, **QWEN2),
+}
+
+
+def parse(arg: str | None) -> ml_collections.ConfigDict:
+  return parse_arg(arg, model="tiny_random", prompts=0, lr_rule="sqrt", seed=0, mesh="-1x1x1")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """`arg`: 'model=<tiny_random|qwen2.5-0.5b|qwen2.5-1.5b|qwen2.5-7b>,prompts=<per step>,lr_rule=<rule>,seed=<int>,
+  mesh=<DxFxT>'."""
+  arg = parse(arg)
+  if arg.model not in MODELS:
+    raise ValueError(f"model={arg.model!r}: use one of {sorted(MODELS)}.")
+  tiny = arg.model == "tiny_random"
+  mesh = arg.mesh.split("x")
+  if len(mesh) != 3:
+    raise ValueError(f"mesh={arg.mesh!r}: write data x fsdp x tensor, e.g. 1x-1x1 or 2x4x1.")
+  c = grpo_arith.get_config(f"lr_rule={arg.lr_rule},seed={arg.seed}")
+  c.task = gsm8k.default_config()
+  c.task.name = "gsm8k"  # JSONL rows {"question", "answer": "... #### N"}; task.path "" = the bundled sample.
+  c.task.extraction = "flexible" if tiny else "strict"  # Reward: the number after '####' (strict) or the last one.
+  c.tokenizer_path = SAMPLE_TOKENIZER if tiny else ""  # "" with init_from: the checkpoint's tokenizer.json.
+  c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.
+  c.chat_template = "none" if tiny else "auto"  # Prompt wrapping: auto (from the tokenizer) | none | chatml | ...
+  c.model = ml_collections.ConfigDict(MODELS[arg.model])
+  c.mesh = ml_collections.ConfigDict(dict(data=int(mesh[0]), fsdp=int(mesh[1]), tensor=int(mesh[2])))
+  c.sharding_rules = sharding.DEFAULT_RULES
+
+  prompts = arg.prompts or BASE_PROMPTS
+  c.group_size = GROUP_SIZE
+  c.batch_size = prompts * GROUP_SIZE
+  c.micro_batch_size = 64
+  c.rl.update(estimator="grpo", clip_low=0.2, clip_high=0.28, loss_agg="token_mean")
+  c.sampling.temperature = 1.0
+  c.optim.update(base_lr=BASE_LR, base_batch=BASE_PROMPTS * GROUP_SIZE, lr_rule=arg.lr_rule, warmup_samples=0,
+                 weight_decay=0.0, grad_clip=1.0)
+  c.task.max_response_tokens = 0 if tiny else 1024
+  c.sample_budget = 512 * 1024  # 512 steps of the base member.
+  c.eval_every_samples = 32 * 1024
+  c.checkpoint_every_samples = 32 * 1024
+  if tiny:  # A CPU smoke run of a few steps.
+    c.batch_size, c.group_size, c.micro_batch_size = 16, 4, 8
+    c.optim.update(base_lr=1e-4, base_batch=16)
+    c.sample_budget = 64
+    c.eval_every_samples = c.checkpoint_every_samples = 32
+    c.log_every_steps = 1
+    c.sft.update(steps=30, batch_size=8, warmup_steps=2, lr=3e-3)
+  return c
+
+
+def sweep() -> list[str]:
+  """The reference study's prompts per step, at the small model (the members differ only in batch and lr)."""
+  return [f"prompts={p}" for p in (64, 128, 256, 512, 1024, 2048, 4096)]

@@ -1,0 +1,79 @@
+"""The PPO value model: a scalar head on a decoder's final hidden states.
+
+Two layouts, chosen by `critic.share_backbone`:
+  separate: `ValueModel` = its own decoder (the policy's first `num_layers` blocks, 0 = all, initialised from the
+            base policy) + head; trained only by the critic optimizer.
+  shared:   `ValueHead` alone, applied to the policy's hidden states; the value loss also trains the policy backbone
+            (through the actor optimizer, weighted by `critic.vf_coef`).
+The head starts at zero, so the first values are 0 and the critic warm-up fits them to the returns.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_batch import sharding
+from jaxrl_batch.model import ModelConfig, Transformer, causal_mask, positions_from_valid
+from jaxrl_batch.model.layers import sharded_param
+
+
+class ValueHead(nnx.Module):
+  """v = h . w + b per position, in float32."""
+
+  def __init__(self, d_model: int, param_dtype, rngs: nnx.Rngs):
+    self.w = sharded_param(rngs, nnx.initializers.zeros, (d_model,), ("embed",), param_dtype)
+    self.b = sharded_param(rngs, nnx.initializers.zeros, (), (), param_dtype)
+
+  def __call__(self, h_BxTxD):
+    return jnp.einsum("btd,d->bt", h_BxTxD, self.w[...].astype(h_BxTxD.dtype),
+                      preferred_element_type=jnp.float32) + self.b[...].astype(jnp.float32)
+
+
+class ValueModel(nnx.Module):
+  """A separate critic: decoder backbone + `ValueHead`."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.backbone = Transformer(cfg, rngs)
+    self.head = ValueHead(cfg.d_model, cfg.weight_dtype, rngs)
+
+
+def critic_model_config(policy_cfg: ModelConfig, num_layers: int) -> ModelConfig:
+  """The separate critic's decoder: the policy's shape, `num_layers` blocks (0 = as many as the policy), no LM head."""
+  if num_layers > policy_cfg.num_layers:
+    raise ValueError(f"critic.num_layers={num_layers} exceeds the policy's {policy_cfg.num_layers} layers; the "
+                     "critic is initialised from the policy's first blocks.")
+  return dataclasses.replace(policy_cfg, num_layers=num_layers or policy_cfg.num_layers, tie_embeddings=True)
+
+
+def align(values_BxT: jax.Array) -> jax.Array:
+  """Values from hidden state t-1 placed at entry t (the state before token t), like the per-token log-probs."""
+  return jnp.pad(values_BxT[:, :-1], ((0, 0), (1, 0)))
+
+
+def shared_values(head_graphdef, head_params, hidden_BxTxD) -> jax.Array:
+  """values_BxT (aligned) from the policy's hidden states."""
+  return align(nnx.merge(head_graphdef, head_params)(hidden_BxTxD))
+
+
+def separate_values(graphdef, params, tokens_BxT, valid_BxT) -> jax.Array:
+  """values_BxT (aligned) of a `ValueModel` over left/right-padded sequences."""
+  model = nnx.merge(graphdef, params)
+  hidden_BxTxD, _ = model.backbone.hidden(tokens_BxT, positions_from_valid(valid_BxT), causal_mask(valid_BxT))
+  return align(model.head(hidden_BxTxD))
+
+
+def init_critic(policy_cfg: ModelConfig, policy_params, share_backbone: bool, num_layers: int, mesh, rules):
+  """(graphdef, params) of the critic, created sharded. A separate critic copies the base policy's embedding,
+  final norm and first blocks; the head is zero."""
+  if share_backbone:
+    return sharding.create_sharded(lambda: ValueHead(policy_cfg.d_model, policy_cfg.weight_dtype, nnx.Rngs(0)),
+                                   mesh, rules)
+  cfg = critic_model_config(policy_cfg, num_layers)
+  graphdef, params = sharding.create_sharded(lambda: ValueModel(cfg, nnx.Rngs(0)), mesh, rules)
+  backbone = params["backbone"]
+  backbone["embedding"] = policy_params["embedding"]
+  backbone["final_norm"] = policy_params["final_norm"]
+  backbone["blocks"] = {i: policy_params["blocks"][i] for i in backbone["blocks"]}
+  # Copies, so that donating the critic's buffers in the update never invalidates the policy's.
+  return graphdef, jax.tree.map(jnp.copy, params)

@@ -1,0 +1,144 @@
+"""One optimizer step of the actor (and critic) on a mini-batch, gradients accumulated over micro-batches.
+
+The loss of a mini-batch is
+  sum_t w_t * [ pg_t * tis_t + kl_coef * kl_t (KL in the loss) - entropy_coef * H_t ] + vf_coef * sum_t w_t * vl_t
+with w from `losses.token_weights` (the configured aggregation, counts taken over the whole mini-batch), pg the
+clipped surrogate, tis the truncated importance weight min(pi_trainer / pi_sampler, cap) and vl the clipped value
+loss (PPO). Logged scalars use token-mean weights, whatever the aggregation.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxrl_batch.model import causal_mask, positions_from_valid
+from jaxrl_batch.rl import critic as critic_lib
+from jaxrl_batch.rl import losses
+from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.rl.batch import TrainBatch, shifted_logprobs, split_micro_batches
+
+
+class Models(NamedTuple):
+  """Static pieces of the update: graph definitions and optimizers (critic ones None without a critic)."""
+  graphdef: nnx.GraphDef
+  actor_tx: optax.GradientTransformation
+  critic_graphdef: nnx.GraphDef | None = None
+  critic_tx: optax.GradientTransformation | None = None
+
+
+class Weights(NamedTuple):
+  loss_BxT: jax.Array  # The configured aggregation.
+  token_BxT: jax.Array  # Token mean, for logged scalars.
+
+
+def forward(policy, critic, tokens_BxT, valid_BxT, models: Models, cfg: AlgoConfig, need_policy: bool = True):
+  """(logp_BxT, logits_BxTxV or None, values_BxT or None) at temperature cfg.temperature, all aligned per token."""
+  positions_BxT, mask_BxTxS = positions_from_valid(valid_BxT), causal_mask(valid_BxT)
+  logp_BxT = logits_BxTxV = values_BxT = None
+  if need_policy or (cfg.critic and cfg.share_backbone):
+    model = nnx.merge(models.graphdef, policy)
+    hidden_BxTxD, _ = model.hidden(tokens_BxT, positions_BxT, mask_BxTxS)
+    if need_policy:
+      logits_BxTxV = model.logits(hidden_BxTxD) / cfg.temperature
+      logp_BxT = shifted_logprobs(logits_BxTxV, tokens_BxT)
+    if cfg.critic and cfg.share_backbone:
+      values_BxT = critic_lib.shared_values(models.critic_graphdef, critic, hidden_BxTxD)
+  if cfg.critic and not cfg.share_backbone:
+    values_BxT = critic_lib.separate_values(models.critic_graphdef, critic, tokens_BxT, valid_BxT)
+  return logp_BxT, logits_BxTxV, values_BxT
+
+
+def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models: Models, cfg: AlgoConfig,
+                train_actor: bool):
+  policy, critic = trainable
+  if not train_actor:
+    policy = jax.lax.stop_gradient(policy)
+  logp_BxT, logits_BxTxV, values_BxT = forward(policy, critic, micro.tokens_BxT, micro.valid_BxT, models, cfg,
+                                               need_policy=train_actor)
+  mask_BxT = micro.loss_mask_BxT
+  w, tw = weights.loss_BxT, weights.token_BxT
+  zero = jnp.zeros((), jnp.float32)
+  loss, aux = zero, {}
+  if train_actor:
+    log_ratio_BxT = losses.log_ratio(logp_BxT, micro.old_logp_BxT, mask_BxT, cfg.ratio_level)
+    pg_BxT, low_BxT, high_BxT = losses.policy_loss(log_ratio_BxT, micro.adv_BxT, cfg.clip_low, cfg.clip_high,
+                                                   cfg.dual_clip)
+    if cfg.tis_cap > 0:
+      pg_BxT = pg_BxT * jnp.minimum(jnp.exp(micro.old_logp_BxT - micro.sampler_logp_BxT), cfg.tis_cap)
+    entropy_BxT = losses.entropy_from_logits(logits_BxTxV[:, :-1])
+    entropy_BxT = jnp.pad(entropy_BxT if cfg.entropy_coef > 0 else jax.lax.stop_gradient(entropy_BxT),
+                          ((0, 0), (1, 0)))
+    aux["policy_loss"] = losses.weighted_sum(pg_BxT, w)
+    loss = aux["policy_loss"] - cfg.entropy_coef * losses.weighted_sum(entropy_BxT, w)
+    if cfg.use_kl:
+      kl_BxT = losses.kl_penalty(logp_BxT, micro.ref_logp_BxT, cfg.kl_estimator)
+      if cfg.kl_in == "loss":
+        loss = loss + kl_coef * losses.weighted_sum(kl_BxT, w)
+      aux["kl"] = losses.weighted_sum(jax.lax.stop_gradient(kl_BxT), tw)
+    sg_logp_BxT = jax.lax.stop_gradient(logp_BxT)
+    aux.update(entropy=losses.weighted_sum(jax.lax.stop_gradient(entropy_BxT), tw),
+               clip_frac_low=losses.weighted_sum(low_BxT, tw), clip_frac_high=losses.weighted_sum(high_BxT, tw),
+               ratio_mean=losses.weighted_sum(jnp.exp(jax.lax.stop_gradient(log_ratio_BxT)), tw),
+               logp_gap=losses.weighted_sum(jnp.abs(sg_logp_BxT - micro.sampler_logp_BxT), tw))
+  if cfg.critic:
+    vl_BxT = losses.value_loss(values_BxT, micro.old_values_BxT, micro.returns_BxT, cfg.vf_clip)
+    aux["value_loss"] = losses.weighted_sum(vl_BxT, w)
+    loss = loss + cfg.vf_coef * aux["value_loss"]
+  return loss, aux
+
+
+@functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro", "train_actor"), donate_argnums=(0,))
+def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: AlgoConfig, num_micro: int,
+           train_actor: bool = True):
+  """One optimizer step of the actor (if `train_actor`) and the critic (if cfg.critic) on the mini-batch `batch`.
+
+  state: dict(params, opt_state[, critic, critic_opt_state]). kl_coef: float32 scalar (traced: it may adapt).
+  Micro-batch losses are normalised by counts of the whole mini-batch, so the summed gradient does not depend on
+  `num_micro`. Returns (state, metrics dict of scalars); `micro_grad_sq` is the mean squared norm of the micro-batch
+  mean actor gradients (for the gradient noise scale).
+  """
+  constant = cfg.loss_agg_constant or batch.tokens_BxT.shape[1]
+  weights = Weights(losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg, constant),
+                    losses.token_weights(batch.loss_mask_BxT, "token_mean"))
+  trainable = (state["params"], state.get("critic"))
+  grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+  def micro_grads(micro_and_weights):
+    micro, micro_weights = micro_and_weights
+    (loss, aux), grads = grad_fn(trainable, micro, micro_weights, kl_coef, models, cfg, train_actor)
+    # Each micro gradient is normalised by the whole mini-batch; x num_micro makes it (about) its own mean.
+    return (loss, aux, grads), optax.tree.norm(grads[0], squared=True) * num_micro**2
+
+  def accumulate(total, micro_and_weights):
+    return jax.tree.map(jnp.add, total, micro_grads(micro_and_weights)), None
+
+  micro_batches = split_micro_batches((batch, weights), num_micro)
+  shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro_batches))
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  ((loss, aux, (policy_grads, critic_grads)), micro_sq_sum), _ = jax.lax.scan(accumulate, zeros, micro_batches)
+  state = dict(state)
+  metrics = dict(aux, loss=loss, num_tokens=jnp.sum(batch.loss_mask_BxT))
+  if train_actor:
+    updates, state["opt_state"] = models.actor_tx.update(policy_grads, state["opt_state"], state["params"])
+    state["params"] = optax.apply_updates(state["params"], updates)
+    grad_sq = optax.tree.norm(policy_grads, squared=True)
+    metrics.update(grad_norm=jnp.sqrt(grad_sq), grad_sq=grad_sq, micro_grad_sq=micro_sq_sum / num_micro)
+  if cfg.critic:
+    updates, state["critic_opt_state"] = models.critic_tx.update(critic_grads, state["critic_opt_state"],
+                                                                 state["critic"])
+    state["critic"] = optax.apply_updates(state["critic"], updates)
+    metrics["critic_grad_norm"] = optax.tree.norm(critic_grads)
+  return state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("models", "cfg", "need_policy"))
+def score(policy, critic, tokens_BxT, valid_BxT, loss_mask_BxT, *, models: Models, cfg: AlgoConfig,
+          need_policy: bool = True):
+  """(logp_BxT or None, values_BxT or None) without gradients, 0 off the loss mask: the trainer's old log-probs
+  and the critic's old values (before this step's updates)."""
+  logp_BxT, _, values_BxT = forward(policy, critic, tokens_BxT, valid_BxT, models, cfg, need_policy)
+  masked = lambda x: None if x is None else jnp.where(loss_mask_BxT, x, 0.0)
+  return masked(logp_BxT), masked(values_BxT)

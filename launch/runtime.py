@@ -1,0 +1,31 @@
+"""Start-up shared by the launchers that train: the multi-process runtime (`--distributed`), then logging.
+
+On a Cloud TPU pod or under SLURM, `--distributed` alone finds the coordinator and this process's rank; elsewhere
+(or for several processes on one machine) give `--coordinator`, `--num_processes` and `--process_id`. See
+launch/tpu_pod.sh and launch/slurm_gpu.sbatch.
+"""
+from absl import app, flags, logging
+
+from jaxrl_batch import distributed
+from launch import logs
+
+flags.DEFINE_bool("distributed", False, "Join a multi-process run (jax.distributed.initialize): one mesh over "
+                  "every process's devices. Auto-detected on TPU pods and SLURM.")
+flags.DEFINE_string("coordinator", None, "host:port of process 0's coordinator (with --distributed; default: "
+                    "detected).")
+flags.DEFINE_integer("num_processes", None, "Processes in the run (with --distributed; default: detected).")
+flags.DEFINE_integer("process_id", None, "This process's rank, 0 .. num_processes-1 (with --distributed; default: "
+                     "detected).")
+FLAGS = flags.FLAGS
+
+
+def setup() -> None:
+  """Call first in `main`: before anything touches a device. Processes other than 0 log warnings only."""
+  explicit = (FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+  if not FLAGS.distributed and any(v is not None for v in explicit):
+    raise app.UsageError("--coordinator, --num_processes and --process_id need --distributed.")
+  if FLAGS.distributed:
+    distributed.initialize(*explicit)
+  logs.setup()
+  if FLAGS.distributed and not distributed.is_main_process():
+    logging.set_verbosity(logging.WARNING)

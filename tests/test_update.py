@@ -1,0 +1,165 @@
+"""The actor/critic update: micro-batching and device count leave it unchanged; its loss equals hand computations;
+a step moves log-probs in the direction of the advantage; a frozen actor stays frozen."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_batch import sharding
+from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs
+from jaxrl_batch.rl.critic import init_critic
+from jaxrl_batch.rl.learner import reference_logprobs
+from jaxrl_batch.rl.update import Models, update
+
+CFG = ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64)
+B, P, N = 8, 4, 5
+ONE = jax.devices()[:1]
+
+
+def make_batch(seed=0) -> TrainBatch:
+  rng = np.random.default_rng(seed)
+  prompt = rng.integers(3, 16, (B, P))
+  prompt_valid = np.ones((B, P), bool)
+  prompt_valid[::3, :2] = False
+  lengths = rng.integers(1, N + 1, B)
+  mask = np.arange(N)[None] < lengths[:, None]
+  tokens = np.concatenate([prompt, np.where(mask, rng.integers(3, 16, (B, N)), 0)], 1).astype(np.int32)
+  loss_mask = np.concatenate([np.zeros((B, P), bool), mask], 1)
+  valid = np.concatenate([prompt_valid, mask], 1)
+  f = lambda x: jnp.asarray(np.where(loss_mask, x, 0.0), jnp.float32)
+  logp = f(-rng.uniform(0.5, 3.0, (B, P + N)))
+  adv = f(rng.normal(size=(B, 1)) * np.ones((1, P + N)))
+  return TrainBatch(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(loss_mask), logp, logp, jnp.zeros_like(logp),
+                    adv, f(rng.uniform(0, 1, (B, P + N))), f(rng.uniform(0, 1, (B, P + N))))
+
+
+def setup(mesh, cfg: AlgoConfig, actor_tx=optax.sgd(0.05), critic_tx=optax.sgd(0.05)):
+  graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+  state, critic_graphdef = dict(params=params, opt_state=actor_tx.init(params)), None
+  if cfg.critic:
+    critic_graphdef, state["critic"] = init_critic(CFG, params, cfg.share_backbone, cfg.critic_layers, mesh,
+                                                   sharding.DEFAULT_RULES)
+    # A non-zero head, so that values and their gradients are not trivially 0.
+    head = state["critic"] if cfg.share_backbone else state["critic"]["head"]
+    head["w"] = head["w"] + 0.1
+    state["critic_opt_state"] = critic_tx.init(state["critic"])
+  return Models(graphdef, actor_tx, critic_graphdef, critic_tx if cfg.critic else None), state
+
+
+def one_step(mesh, num_micro, batch, cfg, kl_coef=0.0, train_actor=True):
+  models, state = setup(mesh, cfg)
+  before = jax.tree.map(np.asarray, state)
+  with jax.set_mesh(mesh):
+    batch = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch)
+    state, metrics = update(state, batch, jnp.float32(kl_coef), models=models, cfg=cfg, num_micro=num_micro,
+                            train_actor=train_actor)
+  return models, before, jax.tree.map(np.asarray, state), metrics
+
+
+PPO = AlgoConfig(algo="ppo", estimator="gae", critic=True)
+
+
+@pytest.mark.parametrize("cfg", [
+    AlgoConfig(),
+    AlgoConfig(loss_agg="seq_mean_token_mean", clip_high=0.28, dual_clip=3.0, entropy_coef=0.01),
+    AlgoConfig(loss_agg="constant", loss_agg_constant=9.0, ratio_level="sequence"),
+    dataclasses.replace(PPO, loss_agg="seq_mean_token_sum"),
+    dataclasses.replace(PPO, share_backbone=True, vf_coef=0.5),
+], ids=["grpo", "clip_higher_dual_entropy", "drgrpo_gspo", "ppo_separate", "ppo_shared"])
+def test_micro_batches_and_devices_leave_the_update_unchanged(cfg):
+  batch = make_batch()
+  one = sharding.make_mesh(1, 1, 1, devices=ONE)
+  results = [one_step(one, 1, batch, cfg), one_step(one, 4, batch, cfg),
+             one_step(sharding.make_mesh(2, 2, 2), 2, batch, cfg)]
+  _, _, ref_state, ref_metrics = results[0]
+  assert ref_metrics["grad_norm"] > 0
+  for _, _, state, metrics in results[1:]:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=3e-6), ref_state, state)
+    for key in ref_metrics:
+      if key != "micro_grad_sq":
+        np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=2e-5, atol=1e-7, err_msg=key)
+
+
+def hand_loss(models, params, batch, cfg, ref_logp=None, kl_coef=0.0):
+  """The documented loss in numpy, token by token."""
+  logp, logits = sequence_logprobs(models.graphdef, params, batch.tokens_BxT, batch.valid_BxT)
+  logp, old, sampler, adv, mask = map(np.asarray, (logp, batch.old_logp_BxT, batch.sampler_logp_BxT, batch.adv_BxT,
+                                                    batch.loss_mask_BxT))
+  ratio = np.exp(logp - old)
+  pg = np.maximum(-ratio * adv, -np.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
+  if cfg.tis_cap:
+    pg = pg * np.minimum(np.exp(old - sampler), cfg.tis_cap)
+  n = mask.sum(1, keepdims=True)
+  w = mask / mask.sum() if cfg.loss_agg == "token_mean" else mask / (n.clip(1) * (n > 0).sum())
+  p = jax.nn.softmax(np.asarray(logits), -1)
+  entropy = np.pad(-(p * np.log(p)).sum(-1)[:, :-1], ((0, 0), (1, 0)))
+  total = (w * pg).sum() - cfg.entropy_coef * (w * entropy).sum()
+  if ref_logp is not None:
+    d = ref_logp - logp
+    total += kl_coef * (w * (np.exp(d) - d - 1)).sum()
+  return total
+
+
+@pytest.mark.parametrize("cfg", [AlgoConfig(), AlgoConfig(loss_agg="seq_mean_token_mean", entropy_coef=0.05),
+                                 AlgoConfig(old_logp="trainer", tis_cap=1.5)])
+def test_loss_equals_hand_computation(cfg):
+  batch = make_batch(1)
+  rng = np.random.default_rng(5)
+  # Distinct behaviour log-probs, so that the ratio and the TIS weight are not 1.
+  batch = batch._replace(old_logp_BxT=batch.old_logp_BxT + jnp.asarray(rng.normal(0, 0.3, (B, P + N)), jnp.float32)
+                         * batch.loss_mask_BxT)
+  models, before, _, metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE), 2, batch, cfg)
+  np.testing.assert_allclose(metrics["loss"], hand_loss(models, before["params"], batch, cfg), rtol=1e-5)
+  assert metrics["num_tokens"] == np.asarray(batch.loss_mask_BxT).sum()
+
+
+def test_kl_in_the_loss_matches_hand_computed_k3():
+  mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
+  cfg = AlgoConfig(kl_coef=0.5)
+  models, state = setup(mesh, cfg)
+  _, ref_params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(7)), mesh, sharding.DEFAULT_RULES)
+  batch = make_batch(3)
+  ref = reference_logprobs(ref_params, batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT,
+                           graphdef=models.graphdef, temperature=1.0)
+  batch = batch._replace(ref_logp_BxT=ref)
+  want = hand_loss(models, state["params"], batch, cfg, np.asarray(ref), kl_coef=0.5)
+  _, _, _, with_kl = one_step(mesh, 2, batch, cfg, kl_coef=0.5)
+  _, _, _, without = one_step(mesh, 2, batch, AlgoConfig())
+  np.testing.assert_allclose(with_kl["loss"], want, rtol=1e-5)
+  assert with_kl["kl"] > 0.01 and "kl" not in without
+  np.testing.assert_allclose(with_kl["loss"], without["loss"] + 0.5 * with_kl["kl"], rtol=1e-5)
+
+
+def test_update_raises_logprob_of_positive_advantage_sequences():
+  mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
+  models, state = setup(mesh, AlgoConfig())
+  batch = make_batch(2)
+  on_policy, _ = sequence_logprobs(models.graphdef, state["params"], batch.tokens_BxT, batch.valid_BxT)
+  on_policy = jnp.where(batch.loss_mask_BxT, on_policy, 0.0)
+  sign_B = jnp.array([1.0, -1.0] * (B // 2))
+  batch = batch._replace(old_logp_BxT=on_policy, sampler_logp_BxT=on_policy,
+                         adv_BxT=sign_B[:, None] * batch.loss_mask_BxT)
+  _, before, after, metrics = one_step(mesh, 1, batch, AlgoConfig())
+  assert metrics["clip_frac_low"] == metrics["clip_frac_high"] == 0.0 and metrics["logp_gap"] < 1e-6
+
+  def seq_logp(p):
+    logp, _ = sequence_logprobs(models.graphdef, p, batch.tokens_BxT, batch.valid_BxT)
+    return np.asarray((logp * batch.loss_mask_BxT).sum(1))
+
+  delta = seq_logp(after["params"]) - seq_logp(before["params"])
+  assert np.all(delta[0::2] > 0) and np.all(delta[1::2] < 0), delta
+
+
+def test_frozen_actor_trains_only_the_critic():
+  _, before, after, metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE), 2, make_batch(4), PPO,
+                                       train_actor=False)
+  jax.tree.map(np.testing.assert_array_equal, before["params"], after["params"])
+  assert "grad_norm" not in metrics and metrics["critic_grad_norm"] > 0 and metrics["value_loss"] > 0
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), before["critic"], after["critic"]))
+  assert max(moved) > 0
