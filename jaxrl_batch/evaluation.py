@@ -32,7 +32,7 @@ def eval_accuracy(exp: Experiment, graphdef, params) -> float:
   tokens, valid = exp.shard_batch(exp.encode_prompts(padded))
   with jax.set_mesh(exp.mesh):
     out = generate(graphdef, params, tokens, valid, jax.random.key(0), max_new_tokens=exp.response_len,
-                   eos_id=exp.tokenizer.eos_id, pad_id=exp.tokenizer.pad_id, sampling=SamplingParams(temperature=0.0))
+                   eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id, sampling=SamplingParams(temperature=0.0))
   completions = exp.decode_responses(*to_host((out.tokens_BxN, out.mask_BxN)))
   rewards, _, _ = safe_rewards(exp.task, completions[: len(problems)], problems)
   return float(rewards.mean())

@@ -4,13 +4,16 @@ Sequence layout used by sampling, SFT and RL alike: `[BOS prompt]` left-padded t
 by the response right-padded to `response_len` tokens (EOS included).
 """
 import dataclasses
+import json
 import logging
+import os
 
 import jax
 import ml_collections
 import numpy as np
 from flax import nnx
 
+from jaxrl_batch import chat_template as chat_template_lib
 from jaxrl_batch import sharding, tasks
 from jaxrl_batch import tokenizer as tokenizer_lib
 from jaxrl_batch.model import ModelConfig, Transformer
@@ -43,6 +46,21 @@ def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
     raise ValueError(f"sample_budget={config.sample_budget} is smaller than one batch ({b} rollouts).")
 
 
+def check_pretrained_shape(hf_dir: str, model_cfg: ModelConfig) -> None:
+  """Raises unless the Hugging Face checkpoint in `hf_dir` has the shape `config.model` describes."""
+  from jaxrl_batch.hf.config import to_model_config  # The hf extra is needed only with init_from.
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"init_from={hf_dir!r} has no config.json; point it at a Hugging Face model directory.")
+  with open(path) as f:
+    pretrained = to_model_config(json.load(f), model_cfg.dtype, model_cfg.param_dtype)
+  diffs = [f"model.{f.name}: config {getattr(model_cfg, f.name)!r}, checkpoint {getattr(pretrained, f.name)!r}"
+           for f in dataclasses.fields(ModelConfig) if getattr(model_cfg, f.name) != getattr(pretrained, f.name)]
+  if diffs:
+    raise ValueError(f"init_from={hf_dir!r} does not match config.model ({'; '.join(diffs)}); pick the matching "
+                     "model= preset or set those fields.")
+
+
 @dataclasses.dataclass
 class Experiment:
   """Resolved pieces of one run; build with `Experiment.create(config)`."""
@@ -54,6 +72,17 @@ class Experiment:
   model_cfg: ModelConfig
   prompt_len: int
   response_len: int
+  chat: chat_template_lib.ChatTemplate | None = None
+
+  @property
+  def stop_id(self) -> int:
+    """The token that ends a response: the chat template's end-of-turn marker when one is applied (and is a single
+    token), else the tokenizer's EOS."""
+    if self.chat is not None:
+      ids = self.tokenizer.encode(self.chat.end_of_turn)
+      if len(ids) == 1:
+        return ids[0]
+    return self.tokenizer.eos_id
 
   @classmethod
   def create(cls, config: ml_collections.ConfigDict, devices=None) -> "Experiment":
@@ -61,12 +90,18 @@ class Experiment:
     validate(config, sharding.data_parallel_size(mesh))
     task_cfg = {k: v for k, v in config.task.items() if k != "name"}
     task = tasks.make_task(config.task.name, ml_collections.ConfigDict(task_cfg))
-    tokenizer = tokenizer_lib.Tokenizer.load(config.tokenizer_path or task.tokenizer_path())
+    init_from = config.get("init_from", "")
+    tokenizer = tokenizer_lib.Tokenizer.load(config.tokenizer_path or init_from or task.tokenizer_path())
     model_cfg = ModelConfig.from_config(config.model)
+    if init_from:
+      check_pretrained_shape(init_from, model_cfg)
     tokenizer_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-    prompt_len = len(tokenizer.bos_ids) + task.max_prompt_len(tokenizer)
+    chat = chat_template_lib.resolve(config.get("chat_template", "none"), tokenizer.chat_template)
+    # A template adds the same tokens around every prompt; 4 spare columns absorb merges at its boundaries.
+    overhead = len(tokenizer.encode(chat.render(""))) + 4 if chat else 0
+    prompt_len = len(tokenizer.bos_ids) + task.max_prompt_len(tokenizer) + overhead
     response_len = task.max_answer_len(tokenizer) + config.extra_response_tokens
-    return cls(config, mesh, tokenizer, task, model_cfg, prompt_len, response_len)
+    return cls(config, mesh, tokenizer, task, model_cfg, prompt_len, response_len, chat)
 
   def _module_fn(self, seed: int):
     return lambda: Transformer(self.model_cfg, nnx.Rngs(seed))
@@ -85,7 +120,8 @@ class Experiment:
 
   def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
     """(tokens_BxP, valid_BxP): BOS + prompt, left-padded to `prompt_len`."""
-    ids = [self.tokenizer.bos_ids + self.tokenizer.encode(p.prompt) for p in problems]
+    render = self.chat.render if self.chat else (lambda prompt: prompt)
+    ids = [self.tokenizer.bos_ids + self.tokenizer.encode(render(p.prompt)) for p in problems]
     return tokenizer_lib.left_pad(ids, self.prompt_len, self.tokenizer.pad_id)
 
   def decode_responses(self, tokens_BxN: np.ndarray, mask_BxN: np.ndarray) -> list[str]:
@@ -97,7 +133,7 @@ class Experiment:
     tok = self.tokenizer
     def text(ids):
       return "\ufffd" if any(t >= tok.vocab_size for t in ids) else tok.decode(ids)
-    return [text([t for t, m in zip(row, keep) if m and t != tok.eos_id])
+    return [text([t for t, m in zip(row, keep) if m and t not in (tok.eos_id, self.stop_id)])
             for row, keep in zip(tokens_BxN.tolist(), mask_BxN.tolist())]
 
   def shard_batch(self, tree):

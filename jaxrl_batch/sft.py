@@ -5,6 +5,7 @@ cached under a key of everything it depends on (model, task, SFT settings, seed,
 batch family starts from the same base. In a multi-process run every process takes part in training it (one
 global program) and in orbax's save and restore of the cache, which must be on a filesystem every host sees.
 """
+import dataclasses
 import functools
 import hashlib
 import json
@@ -30,9 +31,11 @@ def sft_arrays(exp: Experiment, problems, rng: np.random.Generator) -> tuple[np.
   """(tokens_BxT, valid_BxT, loss_mask_BxT) with T = prompt_len + response_len; loss on completion + EOS."""
   tokens_BxP, valid_BxP = exp.encode_prompts(problems)
   tok = exp.tokenizer
-  answers = [tok.encode(exp.task.sft_example(p, rng)[1]) + [tok.eos_id] for p in problems]
+  answers = [tok.encode(exp.task.sft_example(p, rng)[1]) + [exp.stop_id] for p in problems]
   if max(map(len, answers)) > exp.response_len:
-    raise ValueError(f"An SFT completion is longer than the response budget ({exp.response_len} tokens).")
+    raise ValueError(f"An SFT completion of {max(map(len, answers))} tokens is longer than the response budget "
+                     f"({exp.response_len} tokens); raise task.max_response_tokens (0 = the longest completion) or "
+                     "extra_response_tokens.")
   tokens_BxN = np.full((len(problems), exp.response_len), tok.pad_id, np.int32)
   valid_BxN = np.zeros(tokens_BxN.shape, bool)
   for row, ids in enumerate(answers):
@@ -62,8 +65,11 @@ def cache_key(exp: Experiment) -> str:
     tokenizer_hash = hashlib.sha256(f.read()).hexdigest()
   c = exp.config
   sft = {k: v for k, v in c.sft.items() if k != "cache_dir"}
-  blob = json.dumps(dict(model=c.model.to_dict(), task=c.task.to_dict(), sft=sft, seed=c.seed,
-                         tokenizer=tokenizer_hash, response_len=exp.response_len), sort_keys=True)
+  key = dict(model=c.model.to_dict(), task=c.task.to_dict(), sft=sft, seed=c.seed, tokenizer=tokenizer_hash,
+             response_len=exp.response_len)
+  if exp.chat is not None:  # Only then: the keys of existing caches stay valid.
+    key["chat_template"] = dataclasses.asdict(exp.chat)
+  blob = json.dumps(key, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -97,8 +103,21 @@ def train(exp: Experiment):
   return graphdef, params, accuracy
 
 
+def pretrained(exp: Experiment):
+  """The base policy read from the Hugging Face directory `config.init_from`, sharded as it loads."""
+  from jaxrl_batch.hf.convert import from_pretrained  # The hf extra is needed only with init_from.
+  path = exp.config.init_from
+  cfg = exp.model_cfg
+  _, graphdef, params = from_pretrained(path, mesh=exp.mesh, rules=exp.config.sharding_rules, dtype=cfg.dtype,
+                                        param_dtype=cfg.param_dtype)
+  logging.info("Base policy: %s (Hugging Face checkpoint, %.2fB parameters).", path, cfg.num_params() / 1e9)
+  return graphdef, params, path
+
+
 def load_or_train(exp: Experiment, directory: str | None = None):
   """The cached base policy for `exp` (training and caching it first if absent): (graphdef, params, path)."""
+  if exp.config.get("init_from", ""):
+    return pretrained(exp)
   directory = directory or base_dir(exp)
   graphdef, abstract = exp.abstract_params()
   ckpt = Checkpointer(directory, max_to_keep=1)

@@ -1,0 +1,57 @@
+"""configs/grpo_gsm8k_qwen.py end to end on CPU: the tiny_random member from a warm start, and from a Hugging Face
+checkpoint (`init_from`), with a chat template applied."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import grpo_gsm8k_qwen
+from jaxrl_batch.experiment import Experiment
+from jaxrl_batch.trainer import Trainer
+
+pytest.importorskip("safetensors")
+ONE = jax.devices()[:1]
+
+
+def tiny_config(tmp_path, **fields):
+  c = grpo_gsm8k_qwen.get_config("model=tiny_random,mesh=1x1x1")
+  c.sft.cache_dir = str(tmp_path / "base")
+  c.sample_budget = 32
+  for key, value in fields.items():
+    c[key] = value
+  return c
+
+
+def test_tiny_random_runs_end_to_end_on_the_bundled_sample(tmp_path):
+  Trainer(tiny_config(tmp_path, chat_template="chatml"), str(tmp_path / "run"), devices=ONE).run()
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  assert [r["samples"] for r in rows if "reward_mean" in r] == [16, 32]
+  assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+
+
+def test_init_from_a_hugging_face_checkpoint(tmp_path):
+  from jaxrl_batch.hf.convert import save_pretrained
+  config = tiny_config(tmp_path)
+  exp = Experiment.create(config, devices=ONE)
+  _, params = exp.init_params(seed=3)
+  hf_dir = str(tmp_path / "hf")
+  save_pretrained(exp.model_cfg, params, hf_dir)
+  trainer = Trainer(tiny_config(tmp_path, init_from=hf_dir), str(tmp_path / "run"), devices=ONE)
+  trainer.run()
+  saved = json.load(open(tmp_path / "run" / "config.json"))
+  assert saved["derived"]["base_policy"] == hf_dir
+  assert not os.path.exists(tmp_path / "base")  # No supervised warm start was trained.
+
+
+def test_init_from_a_checkpoint_of_another_shape_is_refused(tmp_path):
+  from jaxrl_batch.hf.convert import save_pretrained
+  exp = Experiment.create(tiny_config(tmp_path), devices=ONE)
+  _, params = exp.init_params(seed=0)
+  save_pretrained(exp.model_cfg, params, str(tmp_path / "hf"))
+  other = tiny_config(tmp_path, init_from=str(tmp_path / "hf"))
+  other.model.d_ff = 256
+  with pytest.raises(ValueError, match="model.d_ff: config 256, checkpoint 128"):
+    Trainer(other, str(tmp_path / "run"), devices=ONE)
+  assert not (tmp_path / "run").exists()
