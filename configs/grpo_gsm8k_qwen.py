@@ -42,13 +42,15 @@ MODELS = {
 
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
-  return parse_arg(arg, model="tiny_random", prompts=0, lr_rule="sqrt", seed=0, mesh="-1x1x1")
+  return parse_arg(arg, model="tiny_random", prompts=0, lr_rule="sqrt", seed=0, mesh="-1x1x1", debug=False)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """`arg`: 'model=<tiny_random|qwen2.5-0.5b|qwen2.5-1.5b|qwen2.5-7b>,prompts=<per step>,lr_rule=<rule>,seed=<int>,
-  mesh=<DxFxT>'."""
+  mesh=<DxFxT>,debug' (debug = the tiny_random smoke run)."""
   arg = parse(arg)
+  if arg.debug:
+    arg.model = "tiny_random"
   if arg.model not in MODELS:
     raise ValueError(f"model={arg.model!r}: use one of {sorted(MODELS)}.")
   tiny = arg.model == "tiny_random"
