@@ -40,6 +40,34 @@ def reference_logprobs(ref_params, tokens_BxT, valid_BxT, loss_mask_BxT, *, grap
   return jnp.where(loss_mask_BxT, logp_BxT, 0.0)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "group_size"))
+def _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT, values_BxT,
+              rewards_B, kl_coef, *, cfg: AlgoConfig, group_size: int) -> tuple[TrainBatch, dict]:
+  """Advantages and returns, and the batch around them, in one program; stats: returns_mean, and
+  logp_gap_mean / vf_explained_var when trainer log-probs / values exist."""
+  num_tokens = jnp.sum(mask_BxT)
+  old_logp_BxT = sampler_logp_BxT if trainer_logp_BxT is None else trainer_logp_BxT
+  token_rewards_BxT = None
+  if cfg.use_kl and cfg.kl_in == "reward":
+    token_rewards_BxT = -kl_coef * (old_logp_BxT - ref_logp_BxT)
+  adv_BxT, returns_BxT = adv_lib.estimate(cfg.estimator, rewards_B, mask_BxT, group_size=group_size,
+                                          token_rewards_BxT=token_rewards_BxT, values_BxT=values_BxT,
+                                          gamma=cfg.gamma, lam=cfg.lam)
+  if cfg.whiten_advantages:
+    adv_BxT = adv_lib.whiten(adv_BxT, mask_BxT)
+  stats = dict(returns_mean=losses.masked_token_sum_mean(returns_BxT, mask_BxT, num_tokens))
+  if trainer_logp_BxT is not None:
+    stats["logp_gap_mean"] = losses.masked_token_sum_mean(jnp.abs(trainer_logp_BxT - sampler_logp_BxT), mask_BxT,
+                                                          num_tokens)
+  if values_BxT is not None:
+    stats["vf_explained_var"] = losses.explained_variance(values_BxT, returns_BxT, mask_BxT)
+  zeros_BxT = jnp.zeros_like(old_logp_BxT)
+  batch = TrainBatch(tokens_BxT, valid_BxT, mask_BxT, old_logp_BxT, sampler_logp_BxT,
+                     zeros_BxT if ref_logp_BxT is None else ref_logp_BxT, adv_BxT, returns_BxT,
+                     zeros_BxT if values_BxT is None else values_BxT)
+  return batch, stats
+
+
 class Learner:
   """Turns `Rollouts` into a `TrainBatch` and applies cfg.epochs x cfg.mini_batches updates to it."""
 
@@ -59,32 +87,15 @@ class Learner:
     sampler_logp_BxT = np.where(loss_mask_BxT, sampler_logp_BxT, 0.0).astype(np.float32)
     tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B = self.shard_batch(
         (tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, r.rewards_B.astype(np.float32)))
-    stats = {}
     trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), tokens_BxT, valid_BxT, mask_BxT,
                                          models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer")
-    old_logp_BxT = sampler_logp_BxT if trainer_logp_BxT is None else trainer_logp_BxT
-    if trainer_logp_BxT is not None:
-      stats["logp_gap_mean"] = float(losses.masked_token_sum_mean(
-          jnp.abs(trainer_logp_BxT - sampler_logp_BxT), mask_BxT, jnp.sum(mask_BxT)))
-    ref_logp_BxT = jnp.zeros_like(old_logp_BxT)
-    token_rewards_BxT = None
+    ref_logp_BxT = None
     if cfg.use_kl:
       ref_logp_BxT = reference_logprobs(ref_params, tokens_BxT, valid_BxT, mask_BxT, graphdef=self.models.graphdef,
                                          temperature=cfg.temperature)
-      if cfg.kl_in == "reward":
-        token_rewards_BxT = -kl_coef * (old_logp_BxT - ref_logp_BxT)
-    adv_BxT, returns_BxT = adv_lib.estimate(cfg.estimator, rewards_B, mask_BxT, group_size=self.group_size,
-                                            token_rewards_BxT=token_rewards_BxT, values_BxT=values_BxT,
-                                            gamma=cfg.gamma, lam=cfg.lam)
-    if cfg.whiten_advantages:
-      adv_BxT = adv_lib.whiten(adv_BxT, mask_BxT)
-    stats["returns_mean"] = float(losses.masked_token_sum_mean(returns_BxT, mask_BxT, jnp.sum(mask_BxT)))
-    if values_BxT is not None:
-      stats["vf_explained_var"] = float(losses.explained_variance(values_BxT, returns_BxT, mask_BxT))
-    zeros_BxT = jnp.zeros_like(old_logp_BxT)
-    batch = TrainBatch(tokens_BxT, valid_BxT, mask_BxT, old_logp_BxT, sampler_logp_BxT, ref_logp_BxT, adv_BxT,
-                       returns_BxT, zeros_BxT if values_BxT is None else values_BxT)
-    return batch, stats
+    batch, stats = _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT,
+                             values_BxT, rewards_B, jnp.float32(kl_coef), cfg=cfg, group_size=self.group_size)
+    return batch, {k: float(v) for k, v in to_host(stats).items()}
 
   def train(self, state: dict, batch: TrainBatch, step: int, kl_coef: float) -> tuple[dict, dict]:
     """cfg.epochs passes over `batch`, each in cfg.mini_batches shuffled mini-batches (one update each); the actor
