@@ -1,4 +1,5 @@
-"""Sampler: exact tokens from a fake model, EOS handling, and agreement with a full forward pass."""
+"""Sampler: exact tokens from a fake model, EOS handling, cache buckets and early exit, agreement with a full
+forward pass, the Pallas backend, group prefix sharing and no recompiles."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,25 +9,63 @@ from flax import nnx
 from jaxrl_batch import sharding
 from jaxrl_batch.model import ModelConfig, Transformer, sequence_logits
 from jaxrl_batch.sampling import SamplingParams, generate
-from jaxrl_batch.sampling.strategies import truncate
+from jaxrl_batch.sampling.generate import cache_buckets
+from jaxrl_batch.sampling.strategies import argmax, sample, truncate
 
 V, EOS, PAD = 12, 2, 0
 FAKE_CFG = ModelConfig(vocab_size=V, d_model=4, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, d_ff=4)
+TINY_CFG = ModelConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class StepLog:
+  """(cache slot written, cache slots) of each decode step run; hashable by identity (static model metadata)."""
+
+  def __init__(self):
+    self.steps = []
 
 
 class CountingModel(nnx.Module):
-  """Deterministic fake: the next token is (current token + 1) mod V, with overwhelming confidence."""
+  """Deterministic fake: the next token is (current token + 1) mod V, with overwhelming confidence.
 
-  def __init__(self):
+  Each decode step (a `__call__`; the prefill uses `hidden`) is recorded in `log` when one is given.
+  """
+
+  def __init__(self, log=None):
     self.cfg = FAKE_CFG
     self.unused = nnx.Param(jnp.zeros(()))
+    self.log = log
+
+  def hidden(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
+    return tokens_BxT, cache  # the "hidden state" is the token
+
+  def logits(self, hidden_BxT):
+    return 50.0 * jax.nn.one_hot((hidden_BxT + 1) % V, V)
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
-    return 50.0 * jax.nn.one_hot((tokens_BxT + 1) % V, V), cache
+    if self.log is not None:
+      size = cache.k_LxBxSxKxH.shape[2]
+      jax.debug.callback(lambda slot: self.log.steps.append((int(slot), size)), cache_index)
+    return self.logits(tokens_BxT), cache
 
 
-def _fake():
-  return nnx.split(CountingModel())
+def _fake(log=None):
+  return nnx.split(CountingModel(log))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  return sharding.create_sharded(lambda: Transformer(TINY_CFG, nnx.Rngs(1)), mesh, sharding.DEFAULT_RULES)
+
+
+def _group_prompts(seed):
+  """3 random prompts of 4, 3 and 2 tokens (no EOS, no PAD), left-padded to 4, each repeated twice: 6 rows.
+
+  The tests below share this shape and 12 new tokens, so they share compiles."""
+  prompt = np.random.default_rng(seed).integers(3, V, size=(3, 4))
+  valid = np.arange(4)[None, :] >= np.arange(3)[:, None]
+  return jnp.repeat(jnp.asarray(np.where(valid, prompt, PAD), jnp.int32), 2, axis=0), jnp.repeat(valid, 2, axis=0)
 
 
 def test_fake_model_gives_exact_tokens_and_stops_at_eos():
@@ -34,7 +73,7 @@ def test_fake_model_gives_exact_tokens_and_stops_at_eos():
   prompt = jnp.array([[PAD, 5, 6], [3, 4, 9]], jnp.int32)
   valid = prompt != PAD
   out = generate(graphdef, params, prompt, valid, jax.random.key(0), max_new_tokens=6, eos_id=EOS, pad_id=PAD,
-                 sampling=SamplingParams(temperature=0.0))
+                 sampling=GREEDY)
   # Row 0 counts 7, 8, 9, 10, 11, 0 (no EOS); row 1 counts 10, 11, 0, 1, 2=EOS, then padding.
   np.testing.assert_array_equal(out.tokens_BxN, [[7, 8, 9, 10, 11, 0], [10, 11, 0, 1, 2, PAD]])
   np.testing.assert_array_equal(out.mask_BxN, [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
@@ -51,13 +90,38 @@ def test_sampling_at_temperature_follows_a_confident_model():
   np.testing.assert_array_equal(out.tokens_BxN, [[4, 5, 6]])
 
 
-def test_loop_ends_when_all_rows_stopped():
-  graphdef, params = _fake()
-  prompt = jnp.array([[0 + 1]], jnp.int32)  # next token is 2 = EOS
+def test_cache_buckets():
+  assert cache_buckets(32, 64, "xla") == (64, 95)  # the last fed slot is P + N - 2 = 94
+  assert cache_buckets(32, 4064, "xla") == (64, 128, 256, 512, 1024, 2048, 4095)
+  assert cache_buckets(3, 6, "xla") == (4, 8)
+  assert cache_buckets(4, 1, "xla") == (4,)  # no decode step: the prefill's P slots
+  assert cache_buckets(32, 64, "pallas") == (95,)
+
+
+def test_each_step_reads_the_smallest_bucket_and_the_loop_ends_with_the_last_row():
+  # One prompt token (slot 0); the buckets are 2, 4, 8, 16, 32, 40 slots. Row 0 reaches EOS at its 8th token (7
+  # decode steps, feeding slots 1..7), row 1 at its 5th: the loop stops after slot 7, skipping the 16-, 32- and
+  # 40-slot segments.
+  log = StepLog()
+  graphdef, params = _fake(log)
+  prompt = jnp.array([[6], [9]], jnp.int32)
+  out = generate(graphdef, params, prompt, prompt != PAD, jax.random.key(0), max_new_tokens=40, eos_id=EOS,
+                 pad_id=PAD, sampling=GREEDY)
+  jax.effects_barrier()
+  np.testing.assert_array_equal(out.lengths_B, [8, 5])
+  assert sorted(log.steps) == [(1, 2), (2, 4), (3, 4), (4, 8), (5, 8), (6, 8), (7, 8)]
+
+
+def test_no_decode_step_when_every_row_stops_at_once():
+  log = StepLog()
+  graphdef, params = _fake(log)
+  prompt = jnp.array([[1]], jnp.int32)  # next token is 2 = EOS
   out = generate(graphdef, params, prompt, prompt != PAD, jax.random.key(0), max_new_tokens=5, eos_id=EOS,
-                 pad_id=PAD, sampling=SamplingParams(temperature=0.0))
+                 pad_id=PAD, sampling=GREEDY)
+  jax.effects_barrier()
   np.testing.assert_array_equal(out.tokens_BxN, [[EOS, PAD, PAD, PAD, PAD]])
   np.testing.assert_array_equal(out.lengths_B, [1])
+  assert log.steps == []
 
 
 def test_truncate_top_k_and_top_p_keep_expected_sets():
@@ -69,21 +133,43 @@ def test_truncate_top_k_and_top_p_keep_expected_sets():
   np.testing.assert_array_equal(kept(truncate(logp, 0, 0.86)), [1, 1, 1, 1, 0])
 
 
+def test_chunked_argmax_is_jnp_argmax():
+  # 300 tokens: two whole chunks of 128 and a padded one; ties resolve to the first maximum, as jnp.argmax.
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 300)), jnp.float32)
+  x = x.at[1, 299].set(9.0).at[2, 5].set(9.0).at[2, 200].set(9.0).at[3].set(1.0).at[4, 130].set(9.0)
+  np.testing.assert_array_equal(argmax(x), jnp.argmax(x, axis=-1))
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+  # 300 tokens, mass in three chunks; truncated (-1e30) and -inf tokens are never drawn.
+  probs = np.zeros(300)
+  probs[[0, 2, 130, 131, 299]] = [0.1, 0.2, 0.3, 0.15, 0.25]
+  logp = jnp.asarray(np.where(probs > 0, np.log(np.maximum(probs, 1e-30)), -1e30), jnp.float32)[None]
+  logp = logp.at[0, 7].set(-jnp.inf)
+  tokens = jax.jit(jax.vmap(lambda k: sample(logp + 3.0, k)[0]))(jax.random.split(jax.random.key(0), 40_000))
+  freq = np.bincount(np.asarray(tokens), minlength=300) / 40_000
+  np.testing.assert_allclose(freq, probs, atol=0.01)
+  assert freq[probs == 0].sum() == 0
+
+
 def test_invalid_sampling_params_are_refused():
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     SamplingParams(temperature=-1.0)
+  with pytest.raises(ValueError, match="attention_backend"):
+    SamplingParams(attention_backend="triton")
+  assert SamplingParams().backend == "xla"  # "auto" on CPU
+  assert SamplingParams(attention_backend="pallas").backend == "pallas"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_generated_tokens_and_logprobs_match_full_forward(temperature):
-  cfg = ModelConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64)
-  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  graphdef, params = sharding.create_sharded(lambda: Transformer(cfg, nnx.Rngs(1)), mesh, sharding.DEFAULT_RULES)
+def test_generated_tokens_and_logprobs_match_full_forward(tiny, temperature):
+  # 14 new tokens after 4 prompt slots cross three cache buckets (8, 16, 17 slots).
+  graphdef, params = tiny
   prompt = jnp.array([[PAD, PAD, 5, 6], [3, 4, 9, 7]], jnp.int32)
   valid = prompt != PAD
-  out = generate(graphdef, params, prompt, valid, jax.random.key(2), max_new_tokens=6, eos_id=EOS, pad_id=PAD,
+  out = generate(graphdef, params, prompt, valid, jax.random.key(2), max_new_tokens=14, eos_id=EOS, pad_id=PAD,
                  sampling=SamplingParams(temperature=temperature))
   seq = jnp.concatenate([prompt, out.tokens_BxN], axis=1)
   seq_valid = jnp.concatenate([valid, out.mask_BxN], axis=1)
@@ -94,3 +180,41 @@ def test_generated_tokens_and_logprobs_match_full_forward(temperature):
   if temperature == 0.0:
     greedy = jnp.argmax(logits, axis=-1)
     np.testing.assert_array_equal(jnp.where(out.mask_BxN, greedy, PAD), out.tokens_BxN)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pallas_backend_gives_the_xla_tokens(tiny, temperature):
+  # Left-padded rows of 4, 3 and 2 prompt tokens: the kernel must skip the padding slots (starts_B).
+  graphdef, params = tiny
+  prompt, valid = _group_prompts(0)
+  outs = [generate(graphdef, params, prompt, valid, jax.random.key(3), max_new_tokens=12, eos_id=EOS, pad_id=PAD,
+                   sampling=SamplingParams(temperature=temperature, attention_backend=backend))
+          for backend in ("xla", "pallas")]
+  np.testing.assert_array_equal(outs[0].tokens_BxN, outs[1].tokens_BxN)
+  np.testing.assert_array_equal(outs[0].mask_BxN, outs[1].mask_BxN)
+  np.testing.assert_allclose(outs[0].logprobs_BxN, outs[1].logprobs_BxN, atol=1e-5)
+
+
+def test_group_prefix_sharing_matches_the_unshared_path(tiny):
+  # 3 prompts x 2 samples at temperature 1: the same per-row random stream, so the same samples.
+  graphdef, params = tiny
+  prompt, valid = _group_prompts(1)
+  kwargs = dict(max_new_tokens=12, eos_id=EOS, pad_id=PAD, sampling=SamplingParams(temperature=1.0))
+  unshared = generate(graphdef, params, prompt, valid, jax.random.key(4), **kwargs)
+  shared = generate(graphdef, params, prompt, valid, jax.random.key(4), group_size=2, **kwargs)
+  np.testing.assert_array_equal(shared.tokens_BxN, unshared.tokens_BxN)
+  np.testing.assert_array_equal(shared.mask_BxN, unshared.mask_BxN)
+  np.testing.assert_allclose(shared.logprobs_BxN, unshared.logprobs_BxN, atol=1e-6)
+  assert len({tuple(row) for row in np.asarray(shared.tokens_BxN)}) > 3  # the samples of a group differ
+  with pytest.raises(ValueError, match="group_size=4"):
+    generate(graphdef, params, prompt, valid, jax.random.key(4), group_size=4, **kwargs)
+
+
+def test_new_prompts_of_the_same_shape_do_not_recompile(tiny):
+  graphdef, params = tiny
+  kwargs = dict(max_new_tokens=12, eos_id=EOS, pad_id=PAD, sampling=SamplingParams(temperature=1.0), group_size=2)
+  jax.block_until_ready(generate(graphdef, params, *_group_prompts(5), jax.random.key(5), **kwargs))
+  compiled = generate._cache_size()
+  for seed in (6, 7):
+    jax.block_until_ready(generate(graphdef, params, *_group_prompts(seed), jax.random.key(seed), **kwargs))
+  assert generate._cache_size() == compiled

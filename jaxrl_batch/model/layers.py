@@ -95,7 +95,8 @@ class Attention(nnx.Module):
                                      mask_BxTxS.starts_B, backend="pallas", layer=layer)[:, None]
     else:
       out_BxTxNxH = attend(q, k.astype(dt), v.astype(dt), mask_BxTxS)
-    return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, self.wo[...].astype(dt)), cache
+    # dot_general contracts (n, h) in storage order; jnp.einsum emits (h, n), and XLA then transposes wo per call.
+    return jax.lax.dot_general(out_BxTxNxH, self.wo[...].astype(dt), (((2, 3), (0, 1)), ((), ()))), cache
 
 
 class SwiGLU(nnx.Module):

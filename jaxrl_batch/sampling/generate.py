@@ -1,6 +1,25 @@
-"""Autoregressive generation: one prefill into a preallocated KV cache, then a jitted `lax.while_loop` decode.
+"""Autoregressive generation: one prefill into a KV cache, then a jitted decode loop whose cost follows the tokens
+generated, not the token budget.
 
-Prompts are left-padded (right-aligned) so every sequence writes its next token at the same cache slot.
+Prompts are left-padded (right-aligned), so every row writes its next token at the same cache slot, and row b's
+live slots are one span: [P - prompt_len_b, the slot of the token fed] (`masks.DecodeSpan`).
+
+Attention backends (`SamplingParams.attention_backend`):
+  xla: dense attention reads every slot of the cache it is given, so the cache grows through buckets: the decode
+    is a chain of `lax.while_loop` segments, one per cache size (the smallest power of two above P, doubling, then
+    P + N - 1 to end). A step at live length 40 reads a 64-slot cache whatever the budget N. Between segments the
+    cache is copied, zero-padded, into the next size; once every row has stopped, a `lax.cond` skips the remaining
+    segments, copies included. The buckets are static, so this is still one program with no host round-trip.
+  pallas: the decode kernel reads only each row's live blocks of the stacked cache, in place, so one segment runs
+    over the full P + N - 1 slots. Interpret mode on CPU: for tests at tiny shapes only.
+
+Group prefix sharing (`group_size` g > 1): rows [i*g, (i+1)*g) hold the same prompt. The prefill runs on one row per
+group and its KV cache and last-position logits are repeated to the g rows; the random stream is that of the unshared
+path (one key per step for the whole batch), so tokens and log-probs match it.
+
+Compiles: the static inputs are the shapes (B, P), N, the sampling value, group_size, the ids and the model
+definition. Prompts are padded to the experiment's fixed prompt_len, so each batch size of a family compiles once
+and steady-state steps never recompile.
 """
 import functools
 from typing import NamedTuple
@@ -10,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_batch.model import KVCache, cache_mask, positions_from_valid
+from jaxrl_batch.model.masks import DecodeSpan
 from jaxrl_batch.sampling.strategies import SamplingParams, choose
 
 
@@ -31,9 +51,8 @@ class Rollout(NamedTuple):
 
 
 class _Carry(NamedTuple):
-  step: jax.Array
+  step: jax.Array  # tokens chosen so far; the last one, token_B, is fed at cache slot P + step - 1
   cache: KVCache
-  kv_valid_BxS: jax.Array
   token_B: jax.Array
   position_B: jax.Array
   done_B: jax.Array
@@ -42,42 +61,72 @@ class _Carry(NamedTuple):
   rng: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling"))
+def cache_buckets(prompt_len: int, max_new_tokens: int, backend: str) -> tuple[int, ...]:
+  """Cache sizes (slots) of the decode segments; the last holds slot P + N - 2, the last one fed."""
+  full = prompt_len + max_new_tokens - 1
+  if backend == "pallas":
+    return (full,)
+  sizes, size = [], 1 << prompt_len.bit_length()  # the smallest power of two > P: room for the first step
+  while size < full:
+    sizes.append(size)
+    size *= 2
+  return (*sizes, full)
+
+
+def _grow(cache: KVCache, length: int) -> KVCache:
+  """The cache zero-padded to `length` slots."""
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0), (0, 0)))
+  return KVCache(pad(cache.k_LxBxSxKxH), pad(cache.v_LxBxSxKxH))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
+                                             "group_size"))
 def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
-             pad_id: int, sampling: SamplingParams) -> Rollout:
+             pad_id: int, sampling: SamplingParams, group_size: int = 1) -> Rollout:
   """Samples up to `max_new_tokens` tokens after each left-padded prompt; stops each row at EOS.
 
-  The loop ends as soon as every row has produced EOS, so the cost follows the longest response.
+  The loop ends as soon as every row has produced EOS, and each step reads a cache sized to the live length (see
+  the module docstring), so the cost follows the tokens generated. `group_size` > 1 promises that consecutive
+  groups of that many rows share their prompt (only each group's first row is read) and prefills once per group.
   """
   model = nnx.merge(graphdef, params)
   b, p = prompt_BxP.shape
-  n = max_new_tokens
-  cache = KVCache.zeros(model.cfg, b, p + n)
-  kv_valid_BxS = jnp.concatenate([prompt_valid_BxP.astype(bool), jnp.zeros((b, n), bool)], axis=1)
-  positions_BxP = positions_from_valid(prompt_valid_BxP)
-  logits_BxPxV, cache = model(prompt_BxP, positions_BxP, cache_mask(kv_valid_BxS, 0, p), cache, 0)
+  n, g = max_new_tokens, group_size
+  if n < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {n}.")
+  if g < 1 or b % g:
+    raise ValueError(f"group_size={g} must divide the batch of {b} prompts.")
+  backend = sampling.backend
+  buckets = cache_buckets(p, n, backend)
+
+  # Prefill one row per group into the first bucket, then repeat its cache and last logits to the group.
+  valid_GxP = prompt_valid_BxP[::g].astype(bool)
+  kv_valid_GxS = jnp.pad(valid_GxP, ((0, 0), (0, buckets[0] - p)))
+  cache = KVCache.zeros(model.cfg, b // g, buckets[0])
+  hidden_GxPxD, cache = model.hidden(prompt_BxP[::g], positions_from_valid(valid_GxP), cache_mask(kv_valid_GxS, 0, p),
+                                     cache, 0)
+  logits_GxV = model.logits(hidden_GxPxD[:, -1:])[:, 0]
+  cache = KVCache(*(jnp.repeat(x, g, axis=1) for x in cache))
+  logits_BxV = jnp.repeat(logits_GxV, g, axis=0)
 
   rng, first_rng = jax.random.split(rng)
-  token_B, logp_B = choose(logits_BxPxV[:, -1], first_rng, sampling)
+  token_B, logp_B = choose(logits_BxV, first_rng, sampling)
+  starts_B = p - prompt_valid_BxP.astype(jnp.int32).sum(axis=1)
   carry = _Carry(
       step=jnp.array(1, jnp.int32),
       cache=cache,
-      kv_valid_BxS=kv_valid_BxS,
       token_B=token_B,
-      position_B=positions_BxP[:, -1] + 1,
+      position_B=positions_from_valid(prompt_valid_BxP)[:, -1] + 1,
       done_B=token_B == eos_id,
       tokens_BxN=jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token_B),
       logprobs_BxN=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp_B),
       rng=rng)
 
-  def cond(c: _Carry):
-    return (c.step < n) & ~jnp.all(c.done_B)
-
-  def body(c: _Carry):
+  def body(c: _Carry, size: int):
     slot = p + c.step - 1  # cache slot of the previous token, fed now
-    kv_valid_BxS = c.kv_valid_BxS.at[:, slot].set(True)
-    logits_Bx1xV, cache = model(c.token_B[:, None], c.position_B[:, None], cache_mask(kv_valid_BxS, slot, 1),
-                                c.cache, slot)
+    span = DecodeSpan(starts_B, jnp.full((b,), slot + 1))
+    mask = span if backend == "pallas" else span.dense(size)
+    logits_Bx1xV, cache = model(c.token_B[:, None], c.position_B[:, None], mask, c.cache, slot)
     rng, step_rng = jax.random.split(c.rng)
     token_B, logp_B = choose(logits_Bx1xV[:, 0], step_rng, sampling)
     token_B = jnp.where(c.done_B, pad_id, token_B)
@@ -85,7 +134,6 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
     return _Carry(
         step=c.step + 1,
         cache=cache,
-        kv_valid_BxS=kv_valid_BxS,
         token_B=token_B,
         position_B=c.position_B + 1,
         done_B=c.done_B | (token_B == eos_id),
@@ -93,14 +141,27 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
         logprobs_BxN=jax.lax.dynamic_update_slice(c.logprobs_BxN, logp_B[:, None], (0, c.step)),
         rng=rng)
 
-  carry = jax.lax.while_loop(cond, body, carry)
-  is_eos_BxN = carry.tokens_BxN == eos_id
+  def result(c: _Carry):
+    return c.step, c.tokens_BxN, c.logprobs_BxN
+
+  def decode(i: int, c: _Carry):
+    """Segment i (steps whose slot fits buckets[i]), then, unless every row has stopped, the later segments."""
+    size = buckets[i]
+    end = min(n, size - p + 1)
+    c = jax.lax.while_loop(lambda c: (c.step < end) & ~jnp.all(c.done_B), functools.partial(body, size=size), c)
+    if i + 1 == len(buckets):
+      return result(c)
+    return jax.lax.cond(jnp.all(c.done_B), result,
+                        lambda c: decode(i + 1, c._replace(cache=_grow(c.cache, buckets[i + 1]))), c)
+
+  steps, tokens_BxN, logprobs_BxN = decode(0, carry)
+  is_eos_BxN = tokens_BxN == eos_id
   eos_before_BxN = jnp.cumsum(is_eos_BxN, axis=1) - is_eos_BxN
-  written_BxN = jnp.arange(n)[None, :] < carry.step
+  written_BxN = jnp.arange(n)[None, :] < steps
   mask_BxN = (eos_before_BxN == 0) & written_BxN
   return Rollout(
-      tokens_BxN=jnp.where(mask_BxN, carry.tokens_BxN, pad_id),
-      logprobs_BxN=jnp.where(mask_BxN, carry.logprobs_BxN, 0.0),
+      tokens_BxN=jnp.where(mask_BxN, tokens_BxN, pad_id),
+      logprobs_BxN=jnp.where(mask_BxN, logprobs_BxN, 0.0),
       mask_BxN=mask_BxN,
       lengths_B=mask_BxN.sum(axis=1).astype(jnp.int32),
       truncated_B=~jnp.any(is_eos_BxN & mask_BxN, axis=1))

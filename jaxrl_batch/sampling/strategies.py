@@ -4,7 +4,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl_batch.kernels.decode_attention import BACKENDS, default_backend
+
 _NEG_INF = -1e30
+# Passes over the vocabulary go by chunks of _CHUNK tokens: one vectorised reduction per chunk, then work within
+# one chunk per row. XLA's CPU argmax (a (value, index) reduction) and cumsum over 32k tokens are 10-30x slower.
+_CHUNK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,11 +20,15 @@ class SamplingParams:
     temperature: softmax temperature; 0 means greedy (argmax).
     top_k: keep only the k most likely tokens (0 = off).
     top_p: nucleus sampling, keep the smallest set with probability >= top_p (1.0 = off).
+    attention_backend: decode-step attention: "xla" (dense over a cache grown in power-of-two buckets), "pallas"
+      (the ragged decode kernel over the full cache; interpret mode on CPU, for tests only) or "auto"
+      (`kernels.default_backend()`: pallas on GPU/TPU, else xla). Tokens do not depend on it beyond rounding.
   """
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  attention_backend: str = "auto"
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -28,10 +37,18 @@ class SamplingParams:
       raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}.")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"sampling.top_p must be in (0, 1] (1 = off), got {self.top_p}.")
+    if self.attention_backend not in ("auto",) + BACKENDS:
+      raise ValueError(f"sampling.attention_backend must be 'auto' or one of {BACKENDS}, got "
+                       f"{self.attention_backend!r}.")
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+  @property
+  def backend(self) -> str:
+    """The decode attention backend, "auto" resolved for the default JAX platform."""
+    return default_backend() if self.attention_backend == "auto" else self.attention_backend
 
 
 def scaled_log_probs(logits_BxV: jax.Array, temperature: float) -> jax.Array:
@@ -55,12 +72,49 @@ def truncate(logp_BxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
   return logp_BxV
 
 
+def _chunks(x_BxV: jax.Array, fill: float) -> jax.Array:
+  """x padded with `fill` to whole chunks of _CHUNK tokens: (B, C, _CHUNK)."""
+  b, v = x_BxV.shape
+  c = -(-v // _CHUNK)
+  return jnp.pad(x_BxV, ((0, 0), (0, c * _CHUNK - v)), constant_values=fill).reshape(b, c, _CHUNK)
+
+
+def _chunk_of(x_BxCxW: jax.Array, chunk_B: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(x_BxCxW, chunk_B[:, None, None], axis=1)[:, 0]
+
+
+def _last_positive(x_BxN: jax.Array) -> jax.Array:
+  """Index of the last positive entry of each row (0 if none)."""
+  return jnp.max(jnp.where(x_BxN > 0, jnp.arange(x_BxN.shape[-1]), 0), axis=-1)
+
+
+def argmax(x_BxV: jax.Array) -> jax.Array:
+  """jnp.argmax(x, -1), the first maximum: each chunk's maximum, then the argmax within the best chunk."""
+  x_BxCxW = _chunks(x_BxV, -jnp.inf)
+  chunk_B = jnp.argmax(x_BxCxW.max(axis=-1), axis=-1)
+  return chunk_B * _CHUNK + jnp.argmax(_chunk_of(x_BxCxW, chunk_B), axis=-1)
+
+
+def sample(logp_BxV: jax.Array, rng: jax.Array) -> jax.Array:
+  """One token per row from softmax(logp) (log-probs, normalised or not), by inverting the CDF at one uniform draw:
+  the chunk from the cumulative chunk masses, then the token within it. Zero-probability tokens are never chosen."""
+  p_BxCxW = jnp.exp(_chunks(logp_BxV, -jnp.inf))
+  mass_BxC = p_BxCxW.sum(axis=-1)
+  cum_BxC = jnp.cumsum(mass_BxC, axis=-1)
+  u_Bx1 = jax.random.uniform(rng, (logp_BxV.shape[0], 1)) * cum_BxC[:, -1:]
+  chunk_B = jnp.minimum(jnp.sum(cum_BxC <= u_Bx1, axis=-1), _last_positive(mass_BxC))
+  p_BxW = _chunk_of(p_BxCxW, chunk_B)
+  before_Bx1 = jnp.take_along_axis(cum_BxC - mass_BxC, chunk_B[:, None], axis=-1)
+  cum_BxW = before_Bx1 + jnp.cumsum(p_BxW, axis=-1)
+  return chunk_B * _CHUNK + jnp.minimum(jnp.sum(cum_BxW <= u_Bx1, axis=-1), _last_positive(p_BxW))
+
+
 def choose(logits_BxV: jax.Array, rng: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
   """Next token and its log-prob under softmax(logits / T) (before truncation). Returns (token_B, logp_B)."""
   logp_BxV = scaled_log_probs(logits_BxV, params.temperature)
   if params.greedy:
-    token_B = jnp.argmax(logp_BxV, axis=-1)
+    token_B = argmax(logp_BxV)
   else:
-    token_B = jax.random.categorical(rng, truncate(logp_BxV, params.top_k, params.top_p), axis=-1)
+    token_B = sample(truncate(logp_BxV, params.top_k, params.top_p), rng)
   logp_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
   return token_B.astype(jnp.int32), logp_B
