@@ -82,6 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       temperature=1.0,  # Rollout temperature (the trainer scores log-probs at the same temperature).
       top_k=0,  # 0 = off.
       top_p=1.0,  # 1.0 = off.
+      attention_backend="auto",  # Decode attention: auto (pallas on GPU/TPU, else xla) | xla | pallas.
   ))
   c.extra_response_tokens = 2  # Response budget beyond the longest correct answer (+EOS); longer = truncated.
 

@@ -41,7 +41,8 @@ class Collector:
     t0 = time.time()
     with jax.set_mesh(exp.mesh):
       rollout = generate(graphdef, params, tokens, valid, rng, max_new_tokens=exp.response_len,
-                         eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id, sampling=exp.sampling)
+                         eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id, sampling=exp.sampling,
+                         group_size=g)  # One prefill per prompt, its KV shared by the group.
     rollout = jax.block_until_ready(rollout)
     t1 = time.time()
     out = dict(prompt_BxP=prompt_BxP, prompt_valid_BxP=prompt_valid_BxP, **to_host(rollout)._asdict())
