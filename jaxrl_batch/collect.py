@@ -13,7 +13,7 @@ import numpy as np
 from jaxrl_batch.distributed import to_host
 from jaxrl_batch.evaluation import safe_rewards
 from jaxrl_batch.experiment import Experiment
-from jaxrl_batch.rl.advantages import zero_std_groups
+from jaxrl_batch.rl.advantages import zero_std_group_frac, zero_std_groups
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.learner import Rollouts
 from jaxrl_batch.rl.overlong import overlong_penalty
@@ -93,6 +93,6 @@ class Collector:
                  reward_std=float(every["task_rewards_B"].std()),
                  response_len_mean=float(every["lengths_B"].mean()),
                  truncated_frac=float(every["truncated_B"].mean()),
-                 zero_std_group_frac=float(zero_std_groups(every["task_rewards_B"], g).mean()) if g > 1 else 0.0,
+                 zero_std_group_frac=float(zero_std_group_frac(every["task_rewards_B"], g)) if g > 1 else 0.0,
                  reward_errors=int(sum(out["errors"] for out in rounds)), trained_samples=int(trained_B.sum()))
     return rollouts, stats

@@ -28,7 +28,7 @@ def build(estimator, rl):
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_documented_combination_builds(estimator):
-  """Estimator x aggregation x KL variant x policy loss x sampling option: ~1,400 configs per estimator run
+  """Estimator x aggregation x KL variant x policy loss x sampling option: 720 configs per estimator run
   through the checks; one per estimator also builds its whole Experiment."""
   for agg, kl, loss, sampling in itertools.product(AGGREGATIONS, KL_VARIANTS, POLICY_LOSSES, SAMPLING):
     cfg = AlgoConfig.from_config(build(estimator, dict(loss_agg=agg, **kl, **loss, **sampling)))

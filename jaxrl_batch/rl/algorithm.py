@@ -57,10 +57,6 @@ class AlgoConfig:
     return self.kl_coef > 0
 
   @property
-  def adaptive_kl(self) -> bool:
-    return self.kl_target > 0
-
-  @property
   def updates_per_step(self) -> int:
     """Optimizer updates per rollout batch."""
     return self.epochs * self.mini_batches
