@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_batch.kernels import decode_attention, decode_attention_pallas, decode_attention_reference, default_backend
-from jaxrl_batch.model import cache_mask
+from jaxrl_batch.model import KVCache, cache_mask
 from jaxrl_batch.model.layers import attend
 
 
@@ -21,7 +21,7 @@ ATOL_F32 = 1e-5 if INTERPRET else 1e-4
 
 def _pallas(q, k, v, lengths, starts=None, *, block_s):
   """The kernel in this run's mode; skips shapes Triton cannot compile when not interpreting."""
-  s = k.shape[-3]
+  s = k.shape[-1]
   block = block_s if block_s <= s else 1 << (s.bit_length() - 1)
   if not INTERPRET and not all(x >= 16 and x & (x - 1) == 0 for x in (q.shape[-1], block)):
     pytest.skip("Triton needs H and block_s powers of two >= 16")
@@ -31,8 +31,8 @@ def _pallas(q, k, v, lengths, starts=None, *, block_s):
 def _inputs(b, n, kv, h, s, q_dtype=jnp.float32, cache_dtype=jnp.float32, seed=0):
   rng = np.random.default_rng(seed)
   return (jnp.asarray(rng.normal(size=(b, n, h)), q_dtype),
-          jnp.asarray(rng.normal(size=(b, s, kv, h)), cache_dtype),
-          jnp.asarray(rng.normal(size=(b, s, kv, h)), cache_dtype))
+          jnp.asarray(rng.normal(size=(b, kv, h, s)), cache_dtype),
+          jnp.asarray(rng.normal(size=(b, kv, s, h)), cache_dtype))
 
 
 def _lengths(s):
@@ -78,8 +78,9 @@ def test_slots_outside_the_span_are_ignored(block_s):
   q, k, v = _inputs(5, 4, 2, 16, 64, seed=2)
   starts, lengths = jnp.array([0, 3, 7, 16, 24], jnp.int32), jnp.array([16, 9, 8, 16, 70], jnp.int32)
   slot_1xS = jnp.arange(64)[None, :]
-  outside_BxSx1x1 = ((slot_1xS < starts[:, None]) | (slot_1xS >= lengths[:, None]))[:, :, None, None]
-  k_nan, v_nan = jnp.where(outside_BxSx1x1, jnp.nan, k), jnp.where(outside_BxSx1x1, jnp.nan, v)
+  outside_Bx1xSx1 = ((slot_1xS < starts[:, None]) | (slot_1xS >= lengths[:, None]))[:, None, :, None]
+  k_nan = jnp.where(jnp.swapaxes(outside_Bx1xSx1, 2, 3), jnp.nan, k)
+  v_nan = jnp.where(outside_Bx1xSx1, jnp.nan, v)
   want = decode_attention_reference(q, k, v, lengths, starts)
   got = _pallas(q, k_nan, v_nan, lengths, starts, block_s=block_s)
   assert np.isfinite(np.asarray(got)).all()
@@ -90,48 +91,35 @@ def test_slots_outside_the_span_are_ignored(block_s):
 
 def test_kernel_under_jit_on_a_cache_layer():
   q, k, v = _inputs(5, 4, 2, 16, 32, seed=3)
-  k_LxBxSxKxH, v_LxBxSxKxH = jnp.stack([v, k]), jnp.stack([k, v])
+  cache = KVCache((jnp.swapaxes(v, 2, 3), k), (jnp.swapaxes(k, 2, 3), v))
 
   @jax.jit
-  def layer_attention(q, k_LxBxSxKxH, v_LxBxSxKxH, lengths, starts):
-    sliced = decode_attention_pallas(q, k_LxBxSxKxH[1], v_LxBxSxKxH[1], lengths, starts, block_s=16,
-                                     interpret=INTERPRET)
-    in_place = decode_attention_pallas(q, k_LxBxSxKxH, v_LxBxSxKxH, lengths, starts, layer=1, block_s=16,
-                                       interpret=INTERPRET)
-    return sliced, in_place
+  def layer_attention(q, cache, lengths, starts):
+    return decode_attention_pallas(q, cache.k_layers[1], cache.v_layers[1], lengths, starts, block_s=16,
+                                   interpret=INTERPRET)
 
   for lengths, starts in ((_lengths(32), jnp.zeros(5, jnp.int32)),
                           (jnp.array([3, 32, 17, 8, 0], jnp.int32), jnp.array([0, 20, 1, 7, 0], jnp.int32))):
     want = decode_attention_reference(q, k, v, lengths, starts)
-    for got in layer_attention(q, k_LxBxSxKxH, v_LxBxSxKxH, lengths, starts):
-      np.testing.assert_allclose(got, want, atol=ATOL_F32)
-    np.testing.assert_array_equal(
-        decode_attention_reference(q, k_LxBxSxKxH, v_LxBxSxKxH, lengths, starts, layer=1), want)
+    np.testing.assert_allclose(layer_attention(q, cache, lengths, starts), want, atol=ATOL_F32)
 
 
 def test_kernel_lowers_to_triton_for_gpu():
   # Lowering needs no GPU: it checks Triton's constraints (power-of-two tiles, supported ops) and that the cache
-  # reaches the kernel untransposed. A Qwen-like group (G = 7 query heads) and S not a multiple of block_s.
+  # reaches the kernel as it is: no transpose, no slice, one kernel for every layer of a cache. A Qwen-like group
+  # (G = 7 query heads) and S not a multiple of block_s.
   q = jax.ShapeDtypeStruct((3, 14, 64), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((3, 300, 2, 64), jnp.bfloat16)
+  k_layer = jax.ShapeDtypeStruct((3, 2, 64, 300), jnp.bfloat16)
+  v_layer = jax.ShapeDtypeStruct((3, 2, 300, 64), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
-  hlo = decode_attention_pallas.trace(q, k, k, lengths, block_s=64).lower(lowering_platforms=("cuda",)).as_text()
+  cache = KVCache((k_layer,) * 4, (v_layer,) * 4)
+
+  def all_layers(q, cache, lengths):
+    return [decode_attention_pallas(q, k, v, lengths, lengths, block_s=64) for k, v in zip(*cache)]
+
+  hlo = jax.jit(all_layers).trace(q, cache, lengths).lower(lowering_platforms=("cuda",)).as_text()
   assert "triton" in hlo and "stablehlo.transpose" not in hlo
-
-
-def test_kernel_reads_a_stacked_cache_layer_in_place():
-  # With `layer`, the (L, B, S, K, H) cache reaches the kernel whole: no slice copies the layer out first; and the
-  # layer is data, so the layers of a model share one Triton kernel.
-  q = jax.ShapeDtypeStruct((3, 14, 64), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((4, 3, 300, 2, 64), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
-
-  def all_layers(q, k, lengths):
-    return [decode_attention_pallas(q, k, k, lengths, lengths, layer=layer, block_s=64) for layer in range(4)]
-
-  hlo = jax.jit(all_layers).trace(q, k, lengths).lower(lowering_platforms=("cuda",)).as_text()
-  assert "stablehlo.transpose" not in hlo
-  assert not any("slice" in line and "4x3x300x2x64" in line for line in hlo.splitlines())
+  assert not any("slice" in line and ("3x2x300x64" in line or "3x2x64x300" in line) for line in hlo.splitlines())
   assert hlo.count("__gpu$xla.gpu.triton") == 1 and hlo.count("call @decode_attention_pallas") == 4
 
 

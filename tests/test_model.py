@@ -1,4 +1,6 @@
 """Decoder: causality, padding, cache equivalence, GQA attention vs a plain numpy reference, sharding."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,18 +29,18 @@ def test_attend_matches_numpy_reference():
   rng = np.random.default_rng(0)
   b, t, n, k, h = 2, 3, 4, 2, 5
   q = rng.normal(size=(b, t, n, h)).astype(np.float32)
-  key = rng.normal(size=(b, t, k, h)).astype(np.float32)
-  val = rng.normal(size=(b, t, k, h)).astype(np.float32)
+  key = rng.normal(size=(b, k, h, t)).astype(np.float32)  # the cache layout: keys (B, K, H, S)
+  val = rng.normal(size=(b, k, t, h)).astype(np.float32)  # values (B, K, S, H)
   mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
   want = np.zeros((b, t, n, h), np.float32)
   for bi in range(b):
     for head in range(n):
       kv = head // (n // k)  # query heads 0,1 share kv head 0; 2,3 share kv head 1
-      s = q[bi, :, head] @ key[bi, :, kv].T / np.sqrt(h)
+      s = q[bi, :, head] @ key[bi, kv] / np.sqrt(h)
       s = np.where(mask[bi], s, -np.inf)
       p = np.exp(s - s.max(-1, keepdims=True))
       p /= p.sum(-1, keepdims=True)
-      want[bi, :, head] = p @ val[bi, :, kv]
+      want[bi, :, head] = p @ val[bi, kv]
   np.testing.assert_allclose(attend(q, key, val, mask), want, atol=1e-5)
 
 
@@ -93,6 +95,36 @@ def test_cached_decode_equals_full_forward(model):
     kv_valid = kv_valid.at[:, i].set(True)
     step_logits, cache = net(tokens[:, i:i + 1], positions[:, i:i + 1], cache_mask(kv_valid, i, 1), cache, i)
     np.testing.assert_allclose(step_logits[:, 0], full[:, i], atol=1e-5)
+
+
+def test_decode_step_reads_the_cache_in_place(model):
+  # The only ops of a decode step whose result has a cache layer's shape are the in-place writes of the new token
+  # (a dynamic-update-slice, alone or as a fusion's root): no copy, transpose, slice or concatenate of the cache.
+  graphdef, params = model
+  b, s = 3, 24
+  k_shape, v_shape = f"f32[{b},2,8,{s}]", f"f32[{b},2,{s},8]"  # (B, K, H, S) and (B, K, S, H) of CFG
+
+  def step(params, cache, token_B):
+    mask = cache_mask(jnp.ones((b, s), bool), 10, 1)
+    return nnx.merge(graphdef, params)(token_B[:, None], jnp.full((b, 1), 10), mask, cache, 10)
+
+  cache = KVCache.zeros(CFG, b, s)
+  hlo = jax.jit(step, donate_argnums=1).lower(params, cache, jnp.zeros((b,), jnp.int32)).compile().as_text()
+  opcode = lambda line: re.search(r" ([a-z][a-z0-9_-]*)\(", line.split(" = ", 1)[1]).group(1)
+  roots = {}  # fused computation -> opcode of its root
+  for computation in hlo.split("\n\n"):
+    root = [line for line in computation.splitlines() if " ROOT " in line]
+    if root:
+      roots[computation.split()[0].lstrip("%")] = opcode(root[0])
+  ops = []
+  for line in hlo.splitlines():
+    if " = " not in line or " ROOT %tuple" in line or not any(f"= {shape}" in line for shape in (k_shape, v_shape)):
+      continue
+    op = opcode(line)
+    if op == "fusion":
+      op = "fusion:" + roots[re.search(r"calls=%([\w.-]+)", line).group(1)]
+    ops.append(op)
+  assert ops and set(ops) <= {"parameter", "bitcast", "dynamic-update-slice", "fusion:dynamic-update-slice"}, ops
 
 
 def test_jit_equals_eager(model):

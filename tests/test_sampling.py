@@ -44,7 +44,7 @@ class CountingModel(nnx.Module):
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
     if self.log is not None:
-      size = cache.k_LxBxSxKxH.shape[2]
+      size = cache.length
       jax.debug.callback(lambda slot: self.log.steps.append((int(slot), size)), cache_index)
     return self.logits(tokens_BxT), cache
 

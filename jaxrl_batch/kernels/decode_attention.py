@@ -6,9 +6,8 @@ left-padded prompts pass their padding count); the other slots are ignored, what
 Scores are scaled by H**-0.5; scores, softmax and the value sum are accumulated in float32; the output has q's dtype.
 A row with no slot to attend has zeros as output.
 
-The cache is either one layer, k_BxSxKxH, or the model's whole stacked cache k_LxBxSxKxH with a `layer` index
-(an int or an int32 scalar in [0, L)): the kernel then reads that layer in place (slicing it out first would copy
-all S slots on every call), and one compiled kernel serves every layer.
+The cache is one layer's in the `jaxrl_batch.model.KVCache` layout, keys k_BxKxHxS and values v_BxKxSxH: each
+(sequence, kv head) owns one contiguous H x S and one S x H block, which the kernel reads in place.
 """
 import functools
 
@@ -24,39 +23,31 @@ BACKENDS = ("pallas", "xla")
 _MIN_QUERY_ROWS = 16
 
 
-def _layer_of(k, v, layer):
-  """One layer's (B, S, K, H) cache from a layer or a stacked cache (see the module docstring)."""
-  return (k, v) if layer is None else (k[layer], v[layer])
-
-
-def decode_attention_reference(q_BxNxH, k_BxSxKxH, v_BxSxKxH, lengths_B, starts_B=None, *, layer=None):
+def decode_attention_reference(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B=None):
   """Plain-jnp decode attention with the semantics of the module docstring. Returns out_BxNxH."""
-  k_BxSxKxH, v_BxSxKxH = _layer_of(k_BxSxKxH, v_BxSxKxH, layer)
   b, n, h = q_BxNxH.shape
-  s, kv = k_BxSxKxH.shape[1:3]
+  kv, s = v_BxKxSxH.shape[1:3]
   slot_S = jnp.arange(s)[None, :]
   valid_BxS = slot_S < lengths_B[:, None]
   if starts_B is not None:
     valid_BxS &= slot_S >= starts_B[:, None]
   q_BxKxGxH = q_BxNxH.astype(jnp.float32).reshape(b, kv, n // kv, h)
-  v_BxSxKxH = jnp.where(valid_BxS[:, :, None, None], v_BxSxKxH.astype(jnp.float32), 0.0)
-  scores_BxKxGxS = jnp.einsum("bkgh,bskh->bkgs", q_BxKxGxH, k_BxSxKxH.astype(jnp.float32),
+  v_BxKxSxH = jnp.where(valid_BxS[:, None, :, None], v_BxKxSxH.astype(jnp.float32), 0.0)
+  scores_BxKxGxS = jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, k_BxKxHxS.astype(jnp.float32),
                               precision=lax.Precision.HIGHEST) * h**-0.5
   scores_BxKxGxS = jnp.where(valid_BxS[:, None, None, :], scores_BxKxGxS, -jnp.inf)
   max_BxKxGx1 = jnp.max(scores_BxKxGxS, axis=-1, keepdims=True)
   weights_BxKxGxS = jnp.exp(scores_BxKxGxS - jnp.where(jnp.isfinite(max_BxKxGx1), max_BxKxGx1, 0.0))
   total_BxKxGx1 = jnp.sum(weights_BxKxGxS, axis=-1, keepdims=True)
-  out_BxKxGxH = jnp.einsum("bkgs,bskh->bkgh", weights_BxKxGxS, v_BxSxKxH, precision=lax.Precision.HIGHEST)
+  out_BxKxGxH = jnp.einsum("bkgs,bksh->bkgh", weights_BxKxGxS, v_BxKxSxH, precision=lax.Precision.HIGHEST)
   out_BxKxGxH = out_BxKxGxH / jnp.where(total_BxKxGx1 > 0, total_BxKxGx1, 1.0)
   return out_BxKxGxH.reshape(b, n, h).astype(q_BxNxH.dtype)
 
 
-def _kernel(layer_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int):
+def _kernel(start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int):
   """One (sequence, kv head). q_ref, o_ref: (R, H), the group's query heads (zero-padded to R rows);
-  k_ref, v_ref: (L, S, H), that kv head's column of every layer's cache, read only in layer layer_ref[0] and in
-  the blocks the loops visit."""
-  _, s, h = k_ref.shape
-  layer = layer_ref[0]
+  k_ref: (H, S) and v_ref: (S, H), that kv head's cache, read only in the blocks the loops visit."""
+  h, s = k_ref.shape
   rows = q_ref.shape[0]
   length = jnp.clip(length_ref[...], 0, s)
   start = jnp.clip(start_ref[...], 0, length)
@@ -69,9 +60,9 @@ def _kernel(layer_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, blo
     on, get zero weight."""
     max_R, total_R, acc_RxH = carry
     offset = jnp.minimum(i * block_s, s - block_s) if masked else i * block_s
-    k_CxH = k_ref[layer, pl.ds(offset, block_s), :].astype(dtype)
-    v_CxH = v_ref[layer, pl.ds(offset, block_s), :].astype(dtype)
-    scores_RxC = lax.dot_general(q_RxH, k_CxH, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+    k_HxC = k_ref[:, pl.ds(offset, block_s)].astype(dtype)
+    v_CxH = v_ref[pl.ds(offset, block_s), :].astype(dtype)
+    scores_RxC = lax.dot_general(q_RxH, k_HxC, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
                                  preferred_element_type=jnp.float32) * h**-0.5
     if masked:
       slot_C = offset + jnp.arange(block_s)
@@ -103,27 +94,25 @@ def _kernel(layer_ref, start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, blo
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "interpret"))
-def decode_attention_pallas(q_BxNxH, k_BxSxKxH, v_BxSxKxH, lengths_B, starts_B=None, *, layer=None,
-                            block_s: int = 128, interpret: bool = False):
+def decode_attention_pallas(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B=None, *, block_s: int = 128,
+                            interpret: bool = False):
   """Pallas decode attention, same semantics and shapes as `decode_attention_reference`.
 
   Grid (B, K): each program takes one sequence's kv head and its G = N // K query heads as one tile, and walks the
   cache in blocks of `block_s` slots with an online softmax: the block holding the start, masked, then the blocks
   wholly inside [start, length), unmasked, then the block holding the length, masked. Blocks wholly outside
-  [start, length) are never read. The cache is read in place: the BlockSpec picks the kv-head column of the
-  (L x) B x S x K x H layout and the kernel indexes the layer. S need not be a multiple of block_s (the last block
+  [start, length) are never read. The cache is read in place: the BlockSpecs pick the (sequence, kv head) H x S
+  and S x H blocks of the keys and values. S need not be a multiple of block_s (the last block
   is shifted back to end at slot S and its overlap masked); a block_s above S becomes the largest power of two
   <= S. On GPU (Triton) H and block_s must be powers of two >= 16. `interpret=True` runs on CPU.
   """
-  if layer is None:
-    k_BxSxKxH, v_BxSxKxH, layer = k_BxSxKxH[None], v_BxSxKxH[None], 0  # a free reshape: one code path
   b, n, h = q_BxNxH.shape
-  _, _, s, kv, _ = k_BxSxKxH.shape
+  _, kv, s, _ = v_BxKxSxH.shape
   if n % kv:
     raise ValueError(f"{n} query heads do not divide into {kv} kv heads")
-  if v_BxSxKxH.shape != k_BxSxKxH.shape or k_BxSxKxH.shape[1] != b or k_BxSxKxH.shape[4] != h:
-    raise ValueError(f"q {q_BxNxH.shape}, k {k_BxSxKxH.shape}, v {v_BxSxKxH.shape} do not match (B,N,H), "
-                     "([L,] B,S,K,H)")
+  if v_BxKxSxH.shape != (b, kv, s, h) or k_BxKxHxS.shape != (b, kv, h, s):
+    raise ValueError(f"q {q_BxNxH.shape}, k {k_BxKxHxS.shape}, v {v_BxKxSxH.shape} do not match (B,N,H), "
+                     "(B,K,H,S), (B,K,S,H)")
   if block_s < 1:
     raise ValueError(f"block_s must be positive, got {block_s}")
   if block_s > s:
@@ -131,7 +120,8 @@ def decode_attention_pallas(q_BxNxH, k_BxSxKxH, v_BxSxKxH, lengths_B, starts_B=N
   g = n // kv
   rows = max(_MIN_QUERY_ROWS, pl.next_power_of_2(g))
   q_BxKxRxH = jnp.pad(q_BxNxH.reshape(b, kv, g, h), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-  cache_spec = pl.BlockSpec((k_BxSxKxH.shape[0], None, s, None, h), lambda i, j: (0, i, 0, j, 0))
+  k_spec = pl.BlockSpec((None, None, h, s), lambda i, j: (i, j, 0, 0))
+  v_spec = pl.BlockSpec((None, None, s, h), lambda i, j: (i, j, 0, 0))
   group_spec = pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0))
   row_spec = pl.BlockSpec((None,), lambda i, j: (i,))
   starts_B = jnp.zeros((b,), jnp.int32) if starts_B is None else starts_B.astype(jnp.int32)
@@ -139,12 +129,12 @@ def decode_attention_pallas(q_BxNxH, k_BxSxKxH, v_BxSxKxH, lengths_B, starts_B=N
       functools.partial(_kernel, block_s=block_s),
       out_shape=jax.ShapeDtypeStruct(q_BxKxRxH.shape, q_BxNxH.dtype),
       grid=(b, kv),
-      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), row_spec, row_spec, group_spec, cache_spec, cache_spec],
+      in_specs=[row_spec, row_spec, group_spec, k_spec, v_spec],
       out_specs=group_spec,
       interpret=interpret,
       compiler_params=pltriton.CompilerParams(),  # Triton on GPU: jax 0.10 defaults to Mosaic GPU
       name="decode_attention",
-  )(jnp.full((1,), layer, jnp.int32), starts_B, lengths_B.astype(jnp.int32), q_BxKxRxH, k_BxSxKxH, v_BxSxKxH)
+  )(starts_B, lengths_B.astype(jnp.int32), q_BxKxRxH, k_BxKxHxS, v_BxKxSxH)
   return out_BxKxRxH[:, :, :g].reshape(b, n, h)
 
 
@@ -153,12 +143,12 @@ def default_backend() -> str:
   return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
 
 
-def decode_attention(q_BxNxH, k_BxSxKxH, v_BxSxKxH, lengths_B, starts_B=None, *, backend: str, layer=None):
+def decode_attention(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B=None, *, backend: str):
   """Decode attention by `backend` (one of BACKENDS): "pallas" is the kernel with its default block (interpret mode
   on CPU), "xla" the reference. Returns out_BxNxH."""
   if backend == "xla":
-    return decode_attention_reference(q_BxNxH, k_BxSxKxH, v_BxSxKxH, lengths_B, starts_B, layer=layer)
+    return decode_attention_reference(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B)
   if backend == "pallas":
-    return decode_attention_pallas(q_BxNxH, k_BxSxKxH, v_BxSxKxH, lengths_B, starts_B, layer=layer,
+    return decode_attention_pallas(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B,
                                    interpret=jax.default_backend() == "cpu")
   raise ValueError(f"unknown decode attention backend {backend!r}; choose one of {BACKENDS}")

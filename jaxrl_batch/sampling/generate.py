@@ -10,7 +10,7 @@ Attention backends (`SamplingParams.attention_backend`):
     P + N - 1 to end). A step at live length 40 reads a 64-slot cache whatever the budget N. Between segments the
     cache is copied, zero-padded, into the next size; once every row has stopped, a `lax.cond` skips the remaining
     segments, copies included. The buckets are static, so this is still one program with no host round-trip.
-  pallas: the decode kernel reads only each row's live blocks of the stacked cache, in place, so one segment runs
+  pallas: the decode kernel reads only each row's live blocks of the cache, in place, so one segment runs
     over the full P + N - 1 slots. Interpret mode on CPU: for tests at tiny shapes only.
 
 Group prefix sharing (`group_size` g > 1): rows [i*g, (i+1)*g) hold the same prompt. The prefill runs on one row per
@@ -73,12 +73,6 @@ def cache_buckets(prompt_len: int, max_new_tokens: int, backend: str) -> tuple[i
   return (*sizes, full)
 
 
-def _grow(cache: KVCache, length: int) -> KVCache:
-  """The cache zero-padded to `length` slots."""
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0), (0, 0)))
-  return KVCache(pad(cache.k_LxBxSxKxH), pad(cache.v_LxBxSxKxH))
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
                                              "group_size"))
 def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
@@ -106,7 +100,7 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
   hidden_GxPxD, cache = model.hidden(prompt_BxP[::g], positions_from_valid(valid_GxP), cache_mask(kv_valid_GxS, 0, p),
                                      cache, 0)
   logits_GxV = model.logits(hidden_GxPxD[:, -1:])[:, 0]
-  cache = KVCache(*(jnp.repeat(x, g, axis=1) for x in cache))
+  cache = cache.repeat_rows(g)
   logits_BxV = jnp.repeat(logits_GxV, g, axis=0)
 
   rng, first_rng = jax.random.split(rng)
@@ -152,7 +146,7 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
     if i + 1 == len(buckets):
       return result(c)
     return jax.lax.cond(jnp.all(c.done_B), result,
-                        lambda c: decode(i + 1, c._replace(cache=_grow(c.cache, buckets[i + 1]))), c)
+                        lambda c: decode(i + 1, c._replace(cache=c.cache.resized(buckets[i + 1]))), c)
 
   steps, tokens_BxN, logprobs_BxN = decode(0, carry)
   is_eos_BxN = tokens_BxN == eos_id
