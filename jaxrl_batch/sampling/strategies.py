@@ -111,10 +111,12 @@ def sample(logp_BxV: jax.Array, rng: jax.Array) -> jax.Array:
 
 def choose(logits_BxV: jax.Array, rng: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
   """Next token and its log-prob under softmax(logits / T) (before truncation). Returns (token_B, logp_B)."""
-  logp_BxV = scaled_log_probs(logits_BxV, params.temperature)
   if params.greedy:
-    token_B = argmax(logp_BxV)
-  else:
-    token_B = sample(truncate(logp_BxV, params.top_k, params.top_p), rng)
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    token_B = argmax(logits_BxV)
+    chosen_B = jnp.take_along_axis(logits_BxV, token_B[:, None], axis=-1)[:, 0]
+    return token_B.astype(jnp.int32), chosen_B - jax.nn.logsumexp(logits_BxV, axis=-1)
+  logp_BxV = scaled_log_probs(logits_BxV, params.temperature)
+  token_B = sample(truncate(logp_BxV, params.top_k, params.top_p), rng)
   logp_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
   return token_B.astype(jnp.int32), logp_B
