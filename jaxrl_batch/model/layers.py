@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_batch.kernels import decode_attention
+from jaxrl_batch.model.linear import linear
 from jaxrl_batch.model.masks import DecodeSpan
 from jaxrl_batch.model.rope import apply_rope
 
@@ -95,9 +96,7 @@ class Attention(nnx.Module):
     slots cache_index..cache_index+T-1 and the queries attend over all S slots. A `DecodeSpan` mask (T == 1, with
     a cache) runs the Pallas decode kernel over the layer's cache in place. Returns (y_BxTxD, cache)."""
     dt = self.cfg.compute_dtype
-    q = jnp.einsum("btd,dnh->btnh", x_BxTxD, self.wq[...].astype(dt))
-    k = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wk[...].astype(dt))
-    v = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.wv[...].astype(dt))
+    q, k, v = (linear(x_BxTxD, w[...].astype(dt)) for w in (self.wq, self.wk, self.wv))
     if self.cfg.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if self.cfg.qk_norm:
@@ -114,8 +113,7 @@ class Attention(nnx.Module):
                                      backend="pallas")[:, None]
     else:
       out_BxTxNxH = attend(q, k_BxKxHxS.astype(dt), v_BxKxSxH.astype(dt), mask_BxTxS)
-    # dot_general contracts (n, h) in storage order; jnp.einsum emits (h, n), and XLA then transposes wo per call.
-    return jax.lax.dot_general(out_BxTxNxH, self.wo[...].astype(dt), (((2, 3), (0, 1)), ((), ()))), cache
+    return linear(out_BxTxNxH, self.wo[...].astype(dt), contract=2), cache
 
 
 class SwiGLU(nnx.Module):
@@ -131,5 +129,5 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x_BxTxD):
     dt = self.cfg.compute_dtype
-    gate = jax.nn.silu(x_BxTxD @ self.w_gate[...].astype(dt))
-    return (gate * (x_BxTxD @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
+    gate = jax.nn.silu(linear(x_BxTxD, self.w_gate[...].astype(dt)))
+    return linear(gate * linear(x_BxTxD, self.w_up[...].astype(dt)), self.w_down[...].astype(dt))

@@ -4,6 +4,7 @@ from flax import nnx
 
 from jaxrl_batch.model.config import ModelConfig
 from jaxrl_batch.model.kv_cache import KVCache
+from jaxrl_batch.model.linear import linear
 from jaxrl_batch.model.layers import Attention, RMSNorm, SwiGLU, fan_in_normal, sharded_param
 
 
@@ -60,6 +61,7 @@ class Transformer(nnx.Module):
 
   def logits(self, hidden_BxTxD):
     """The output head on final-normed hidden states: logits_BxTxV float32."""
-    head_DxV = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-    return jnp.einsum("btd,dv->btv", hidden_BxTxD, head_DxV.astype(hidden_BxTxD.dtype),
-                      preferred_element_type=jnp.float32)
+    dt = hidden_BxTxD.dtype
+    if self.cfg.tie_embeddings:
+      return jnp.einsum("btd,vd->btv", hidden_BxTxD, self.embedding[...].astype(dt), preferred_element_type=jnp.float32)
+    return linear(hidden_BxTxD, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
