@@ -25,13 +25,17 @@ def _tokens(b, t, seed=0):
   return jax.random.randint(jax.random.key(seed), (b, t), 0, CFG.vocab_size)
 
 
-def test_attend_matches_numpy_reference():
+@pytest.mark.parametrize("t,s", [(3, 3), (1, 6)])  # a causal block, and one decode query over a left-padded span
+def test_attend_matches_numpy_reference(t, s):
   rng = np.random.default_rng(0)
-  b, t, n, k, h = 2, 3, 4, 2, 5
+  b, n, k, h = 2, 4, 2, 5
   q = rng.normal(size=(b, t, n, h)).astype(np.float32)
-  key = rng.normal(size=(b, k, h, t)).astype(np.float32)  # the cache layout: keys (B, K, H, S)
-  val = rng.normal(size=(b, k, t, h)).astype(np.float32)  # values (B, K, S, H)
-  mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+  key = rng.normal(size=(b, k, h, s)).astype(np.float32)  # the cache layout: keys (B, K, H, S)
+  val = rng.normal(size=(b, k, s, h)).astype(np.float32)  # values (B, K, S, H)
+  if t == s:
+    mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+  else:
+    mask = (np.arange(s)[None, None] >= np.array([0, 2])[:, None, None]).repeat(t, 1)
   want = np.zeros((b, t, n, h), np.float32)
   for bi in range(b):
     for head in range(n):

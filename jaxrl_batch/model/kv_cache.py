@@ -14,7 +14,7 @@ class KVCache(NamedTuple):
   `jaxrl_batch.model.masks`). Each (sequence, kv head) owns one contiguous block of each, laid out as the
   attention products read them: scores = q (G x H) @ keys (H x S), out = probs (G x S) @ values (S x H), both with
   the contraction over a row-major operand's rows, which XLA's CPU backend runs as one vectorised pass over the
-  cache (contracting H along the rows of an S x H block ran 4x slower, measured at B = 64). A decode step reads its
+  cache (contracting H along the rows of an S x H block ran 2.7-4x slower, measured at B = 64 on two CPUs). A decode step reads its
   layer's arrays as they are: a stacked (L, ...) array would have XLA copy the layer out on every layer and step.
   """
 

@@ -52,9 +52,9 @@ class SamplingParams:
 
 
 def scaled_log_probs(logits_BxV: jax.Array, temperature: float) -> jax.Array:
-  """log softmax(logits / T) in float32 (T = 1 for greedy): the distribution the trainer scores against."""
-  t = temperature if temperature > 0 else 1.0
-  return jax.nn.log_softmax(logits_BxV.astype(jnp.float32) / t, axis=-1)
+  """log softmax(logits / T) in float32, T > 0: the distribution the trainer scores against (greedy's is T = 1,
+  taken straight from the logits by `choose`)."""
+  return jax.nn.log_softmax(logits_BxV.astype(jnp.float32) / temperature, axis=-1)
 
 
 def truncate(logp_BxV: jax.Array, top_k: int, top_p: float) -> jax.Array:
