@@ -14,8 +14,8 @@ Commands (from the repository root):
 """
 import ml_collections
 
-from jaxrl_batch import sharding
-from jaxrl_batch.config_args import parse_arg
+from jaxrl_batch.runtime import sharding
+from jaxrl_batch.config.args import parse_arg
 from jaxrl_batch.tasks import arithmetic
 
 BASE_BATCH = 128  # B0: the family's reference member (16 prompts x 8 samples).
@@ -70,9 +70,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.algo = "grpo"  # RL algorithm: grpo (critic-free) | ppo (critic + GAE; see configs/ppo_arith.py).
   c.batch_size = arg.batch or BASE_BATCH  # B: rollouts per step (= prompts per step x group_size).
-  c.family_axis = arg.family_axis  # Batch axis the family scales: prompts (group size fixed) | group_size.
-  # Samples per prompt; group estimators compare the samples of a prompt.
-  c.group_size = GROUP_SIZE if arg.family_axis == "prompts" else c.batch_size // BASE_PROMPTS
+  # Batch axis the family scales: prompts (group_size fixed, num_prompts = B / G) | group_size (num_prompts fixed,
+  # group_size = B / P). `--config.batch_size=` then changes the other factor (config.json's "derived" says how).
+  c.family_axis = arg.family_axis
+  by_prompts = arg.family_axis == "prompts"
+  c.group_size = GROUP_SIZE if by_prompts else 0  # Samples per prompt G (group estimators compare them); 0 = derived.
+  c.num_prompts = 0 if by_prompts else BASE_PROMPTS  # Prompts per step P; 0 = derived.
   # Rollouts per forward/backward (gradient accumulation; 0 = the whole mini-batch). With >= 2 micro-batches per
   # update the trainer also logs the gradient noise scale B_simple (`noise_scale`).
   c.micro_batch_size = 32
@@ -119,7 +122,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, d_ff=64)
     c.batch_size = arg.batch or 32
     c.micro_batch_size = 8
-    c.group_size = 4 if arg.family_axis == "prompts" else c.batch_size // 8
+    c.group_size, c.num_prompts = (4, 0) if by_prompts else (0, 8)
     c.optim.warmup_samples = 32
     c.sample_budget = 128
     c.eval_every_samples = 64
@@ -187,6 +190,6 @@ def critic_config() -> ml_collections.ConfigDict:
   ))
 
 
-def sweep() -> list[str]:
-  """The study's members: the sqrt family over 64..512 rollouts per update, and `none` as the control."""
-  return [f"batch={b},lr_rule={rule}" for rule in ("sqrt", "none") for b in (64, 128, 256, 512)]
+def sweep() -> list[dict]:
+  """The study's members (config args): the sqrt family over 64..512 rollouts per update, and `none` as the control."""
+  return [dict(batch=b, lr_rule=rule) for rule in ("sqrt", "none") for b in (64, 128, 256, 512)]

@@ -37,6 +37,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   return c
 
 
-def sweep() -> list[str]:
+def sweep() -> list[dict]:
   """The same members as the GRPO family."""
   return grpo_arith.sweep()

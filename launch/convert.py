@@ -12,7 +12,7 @@ cached base policy (see jaxrl_batch/hf/converted.py). Export writes safetensors 
 import jax
 from absl import app, flags, logging
 
-from jaxrl_batch import sharding
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.hf import export_hf, import_hf
 from launch import logs
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device checks for a lent GPU (sized for one H200, under 8 minutes):
-#   1. tests/test_decode_attention.py with the Pallas kernel compiled by Triton, not interpreted
-#      (JAXRL_PALLAS_INTERPRET=0; shapes Triton cannot compile are skipped);
+#   1. tests/test_decode_attention.py on the GPU: both decode attention backends against the reference, the Pallas
+#      kernel compiled by Triton, not interpreted (JAXRL_PALLAS_INTERPRET=0; shapes Triton cannot compile are skipped);
 #   2. the rollout sweep (launch/bench_rollout.py) with --backend=pallas, then --backend=xla, at a Qwen2.5-0.5B-like
 #      bf16 shape (hidden 896, 24 layers, 14 query / 2 KV heads, head_dim 64, MLP 4864, vocab 151936, tied head).
 # Logs and JSON go to $OUT (default ./gpu_out). Every step runs even if an earlier one failed; the exit status is

@@ -4,8 +4,9 @@ r"""Recommends a batch size: T(B) = S(B) / R(B) from a throughput sweep and the 
   python -m launch.plan_batch --config=configs/grpo_arith.py --workdir=/tmp/arith_study --rule=sqrt \
       --batches=32,64,128,256,512,1024 --steps=4
 
-The sweep runs a few steps per batch (in WORKDIR/throughput/b<B>/, resumable); S(B) = S_min (1 + B / B_noise) is fitted
-to the rule's members in WORKDIR/analysis.json. Writes WORKDIR/plan.json and WORKDIR/plan.md (predicted vs measured T).
+The sweep runs a few steps of each batch's member (built as launch.study builds it: batch=B,lr_rule=RULE,seed=0) in
+WORKDIR/throughput/b<B>/ (resumable); S(B) = S_min (1 + B / B_noise) is fitted to the rule's members in
+WORKDIR/analysis.json. Writes WORKDIR/plan.json and WORKDIR/plan.md (predicted vs measured T).
 """
 import json
 import os
@@ -13,7 +14,7 @@ import os
 from absl import app, flags
 
 from jaxrl_batch.analysis import planner
-from jaxrl_batch.study import throughput_sweep
+from jaxrl_batch.study.runner import throughput_sweep
 from launch import logs
 
 flags.DEFINE_string("config", None, "Config file of the study, optionally with base args.")

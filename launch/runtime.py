@@ -6,7 +6,7 @@ launch/tpu_pod.sh and launch/slurm_gpu.sbatch.
 """
 from absl import app, flags, logging
 
-from jaxrl_batch import distributed
+from jaxrl_batch.runtime import distributed
 from launch import logs
 
 flags.DEFINE_bool("distributed", False, "Join a multi-process run (jax.distributed.initialize): one mesh over "

@@ -10,8 +10,8 @@ filesystem.
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl_batch import sft
-from jaxrl_batch.experiment import Experiment
+from jaxrl_batch.train import sft
+from jaxrl_batch.train.setup import Experiment
 from launch import runtime
 
 config_flags.DEFINE_config_file("config", None, "Config file (`path.py:args`).", lock_config=True)

@@ -15,7 +15,7 @@ must then be on a filesystem every host sees. Two processes on one machine (CPU,
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl_batch.trainer import Trainer
+from jaxrl_batch.train.trainer import Trainer
 from launch import runtime
 
 config_flags.DEFINE_config_file("config", None, "Config file (`path.py:args`).", lock_config=True)

@@ -113,3 +113,35 @@ def test_sequence_estimators_broadcast_and_fold_in_token_rewards():
 def test_gae_needs_values():
   with pytest.raises(ValueError, match="needs critic values"):
     advantages.estimate("gae", jnp.ones(2), jnp.ones((2, 3), bool), group_size=1)
+
+
+_jit_estimate = jax.jit(advantages.estimate, static_argnames=("estimator", "group_size"))
+
+
+@pytest.mark.parametrize("group_size", range(2, 9))
+@pytest.mark.parametrize("reward", [0.1, 0.375, 0.7, 0.9])
+def test_equal_rewards_give_exactly_zero_advantage(reward, group_size):
+  # Group 0 all equal (their float32 mean can miss them by an ulp: 0.9 x 7); group 1 has spread.
+  rewards_B = jnp.concatenate([jnp.full((group_size,), reward, jnp.float32), jnp.eye(group_size)[0]])
+  mask_BxT = jnp.ones((2 * group_size, 3), bool)
+  np.testing.assert_array_equal(advantages.zero_std_groups(rewards_B, group_size), [True, False])
+  assert float(advantages.zero_std_group_frac(rewards_B, group_size)) == 0.5
+  for estimator in advantages.GROUP_ESTIMATORS:
+    for fn in (advantages.estimate, _jit_estimate):
+      adv_BxT, returns_BxT = fn(estimator, rewards_B, mask_BxT, group_size=group_size)
+      # reinforce_pp_baseline whitens over the batch after the group baseline: its group part is the return.
+      group_BxT = returns_BxT if estimator == "reinforce_pp_baseline" else adv_BxT
+      assert np.all(np.asarray(group_BxT[:group_size]) == 0), estimator
+      assert np.all(np.asarray(group_BxT[group_size:]) != 0), estimator
+
+
+def test_groups_with_spread_match_a_float64_reference():
+  rewards_GxK = np.random.default_rng(0).choice([0.0, 0.1, 0.375, 0.7, 0.9, 1.0], size=(64, 7))
+  rewards_GxK[:, 0] = 0.5  # Every group has spread.
+  centred_GxK = rewards_GxK - rewards_GxK.mean(axis=1, keepdims=True)
+  rewards_B = jnp.asarray(rewards_GxK.reshape(-1), jnp.float32)
+  np.testing.assert_allclose(advantages.group_advantages(rewards_B, 7),
+                             (centred_GxK / (rewards_GxK.std(axis=1, keepdims=True) + 1e-6)).reshape(-1),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(advantages.rloo_advantages(rewards_B, 7), (centred_GxK * 7 / 6).reshape(-1),
+                             rtol=1e-5, atol=1e-6)

@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from configs import grpo_arith, ppo_arith
-from jaxrl_batch.experiment import Experiment
+from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.rl.advantages import ESTIMATORS
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.losses import AGGREGATIONS, KL_ESTIMATORS

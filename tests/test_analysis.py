@@ -216,9 +216,14 @@ def test_bad_study_dirs_are_clear_errors(tmp_path):
   run_dir = write_run(tmp_path, "sqrt", 64, reaching(384))
   with pytest.raises(ValueError, match=r"target must be a held-out accuracy in \(0, 1\]"):
     analyze(str(tmp_path), target=60)
-  with open(run_dir / "metrics.jsonl", "a") as f:
-    f.write('{"step": 17, "samples": 1088, "rollout_s": 0.2\n')
-  with pytest.raises(ValueError, match=r"metrics.jsonl:\d+ is not a metrics row"):
+  good = (run_dir / "metrics.jsonl").read_text()
+  lines = len(good.splitlines())
+  (run_dir / "metrics.jsonl").write_text(good + '{"step": 17, "samples": 1088, "rollout_s": 0.2}\n')
+  with pytest.raises(ValueError, match=fr"metrics.jsonl:{lines + 1} is not a metrics row \(training rows need "
+                     r"samples, rollout_s, reward_s, update_s.*KeyError\('reward_s'\).*Fix or delete that line"):
+    analyze(str(tmp_path), target=0.6)
+  (run_dir / "metrics.jsonl").write_text(good + '{"step": 17, "samples": 1088, "rollout_s": 0.2\n')
+  with pytest.raises(ValueError, match=fr"metrics.jsonl:{lines + 1} is not a JSON metrics row .*Fix or delete that"):
     analyze(str(tmp_path), target=0.6)
   (run_dir / "metrics.jsonl").unlink()
   write_run(tmp_path, "sqrt", 64, reaching(384), name="copy")
@@ -226,7 +231,10 @@ def test_bad_study_dirs_are_clear_errors(tmp_path):
   with pytest.raises(ValueError, match="copy and copy2 .* are the same run"):
     analyze(str(tmp_path), target=0.6)
   (tmp_path / "copy2" / "config.json").write_text('{"config": {"batch_size": 64}}')
-  with pytest.raises(ValueError, match="copy2/config.json is not a launch.train config.json"):
+  with pytest.raises(ValueError, match="copy2/config.json is not a launch.train config.json .*KeyError"):
+    analyze(str(tmp_path), target=0.6)
+  (tmp_path / "copy2" / "config.json").write_text('{"config": ')
+  with pytest.raises(ValueError, match="copy2/config.json is not a launch.train config.json .*Remove the run or"):
     analyze(str(tmp_path), target=0.6)
 
 

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_batch import tokenizer as tokenizer_lib
+from jaxrl_batch.text.spm_tokenizer import train_sentencepiece
 from jaxrl_batch.tasks import TASKS, countdown, gsm8k, make_task, math_boxed
 from jaxrl_batch.tasks.base import Problem
 
@@ -33,7 +33,7 @@ def tok(tasks, tmp_path_factory):
   """A small SentencePiece model trained on the sample prompts and SFT completions."""
   rng = np.random.default_rng(0)
   texts = [text for task in tasks.values() for p in task._train + task._eval for text in task.sft_example(p, rng)]
-  return tokenizer_lib.train_sentencepiece(texts * 4, tmp_path_factory.mktemp("tok") / "t.model", vocab_size=200,
+  return train_sentencepiece(texts * 4, tmp_path_factory.mktemp("tok") / "t.model", vocab_size=200,
                                            hard_vocab_limit=False)
 
 

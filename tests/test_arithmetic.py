@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl_batch.tasks import arithmetic, make_task
 from jaxrl_batch.tasks.base import Problem
-from jaxrl_batch.tokenizer import Tokenizer
+from jaxrl_batch.text.loading import load_tokenizer
 
 PROMPT_RE = re.compile(r"(0|[1-9][0-9]*)([+-])(0|[1-9][0-9]*)=")
 
@@ -19,7 +19,7 @@ def task():
 
 @pytest.fixture(scope="module")
 def tok():
-  return Tokenizer.load(arithmetic.TOKENIZER_PATH)
+  return load_tokenizer(arithmetic.TOKENIZER_PATH)
 
 
 def _triple(problem):

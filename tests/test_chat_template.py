@@ -1,7 +1,7 @@
 """Hand-written chat templates: exact text per family, detection from Jinja markers, selection and role checks."""
 import pytest
 
-from jaxrl_batch import chat_template as ct
+from jaxrl_batch.text import chat_template as ct
 
 SYS_CHAT = [dict(role="system", content="Be brief."), dict(role="user", content=" 2+2? "),
             dict(role="assistant", content="4\n"), dict(role="user", content="And 3+3?")]

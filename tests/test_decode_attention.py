@@ -1,7 +1,8 @@
-"""Decode attention: the Pallas kernel against the jnp reference, the reference against `attend`.
+"""Decode attention: both backends (the XLA implementation and the Pallas kernel) against the jnp reference, the
+reference against `attend`.
 
 The kernel runs in interpret mode unless JAXRL_PALLAS_INTERPRET=0 (on a GPU: `launch/gpu_checks.sh`); then the
-cases whose H or block are not powers of two >= 16 (Triton's constraint) are skipped.
+kernel cases whose H or block are not powers of two >= 16 (Triton's constraint) are skipped.
 """
 import os
 
@@ -10,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_batch.kernels import decode_attention, decode_attention_pallas, decode_attention_reference, default_backend
+from jaxrl_batch.kernels import (BACKENDS, decode_attention, decode_attention_pallas, decode_attention_reference,
+                                 decode_attention_xla, default_backend)
 from jaxrl_batch.model import KVCache, cache_mask
 from jaxrl_batch.model.layers import attend
 
@@ -28,6 +30,13 @@ def _pallas(q, k, v, lengths, starts=None, *, block_s):
   return decode_attention_pallas(q, k, v, lengths, starts, block_s=block_s, interpret=INTERPRET)
 
 
+def _backend(backend, q, k, v, lengths, starts=None, *, block_s):
+  """Decode attention by one backend; `block_s` is the kernel's."""
+  if backend == "xla":
+    return jax.jit(decode_attention_xla)(q, k, v, lengths, starts)
+  return _pallas(q, k, v, lengths, starts, block_s=block_s)
+
+
 def _inputs(b, n, kv, h, s, q_dtype=jnp.float32, cache_dtype=jnp.float32, seed=0):
   rng = np.random.default_rng(seed)
   return (jnp.asarray(rng.normal(size=(b, n, h)), q_dtype),
@@ -40,6 +49,7 @@ def _lengths(s):
   return jnp.array([s, 1, 0, s - 3, s + 7], jnp.int32)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n,kv,h,s,block_s", [
     pytest.param(4, 2, 16, 32, 8, id="gqa"),
     pytest.param(3, 3, 16, 24, 16, id="mha-S-not-a-multiple"),
@@ -48,10 +58,10 @@ def _lengths(s):
     pytest.param(8, 8, 16, 64, 16, id="gpu-mha"),
     pytest.param(14, 2, 64, 300, 64, id="gpu-qwen-S-not-a-multiple"),
 ])
-def test_kernel_matches_reference(n, kv, h, s, block_s):
+def test_backend_matches_reference(backend, n, kv, h, s, block_s):
   q, k, v = _inputs(5, n, kv, h, s)
   lengths = _lengths(s)
-  got = _pallas(q, k, v, lengths, block_s=block_s)
+  got = _backend(backend, q, k, v, lengths, block_s=block_s)
   want = decode_attention_reference(q, k, v, lengths)
   assert got.shape == q.shape and got.dtype == q.dtype
   np.testing.assert_allclose(got, want, atol=ATOL_F32)
@@ -59,22 +69,24 @@ def test_kernel_matches_reference(n, kv, h, s, block_s):
   np.testing.assert_array_equal(want[2], 0.0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_dtype,atol", [(jnp.bfloat16, 2e-2), (jnp.float32, ATOL_F32)])
-def test_kernel_bf16_cache(q_dtype, atol):
+def test_bf16_cache(backend, q_dtype, atol):
   q, k, v = _inputs(5, 4, 2, 16, 32, q_dtype=q_dtype, cache_dtype=jnp.bfloat16, seed=1)
   lengths = _lengths(32)
-  got = _pallas(q, k, v, lengths, block_s=16)
+  got = _backend(backend, q, k, v, lengths, block_s=16)
   want = decode_attention_reference(q, k, v, lengths)
   assert got.dtype == q_dtype
   np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=atol)
 
 
-@pytest.mark.parametrize("block_s", [8, 16])
-def test_slots_outside_the_span_are_ignored(block_s):
-  # NaN in every slot before the start or at or past the length. Whole blocks of NaN pass only if skipped, since
-  # whole blocks are not masked: row 0 (length 16) has two after it, row 4 (start 24) three before it at block 8.
-  # The others leave NaN in the masked part of the block holding their start or length: row 1 [3, 9), row 2 [7,
-  # 8), and row 3 [16, 16) is empty (its output is zeros).
+@pytest.mark.parametrize("backend,block_s", [("xla", 0), ("pallas", 8), ("pallas", 16)])
+def test_slots_outside_the_span_are_ignored(backend, block_s):
+  # Ragged spans, left padding included (starts > 0), GQA, and NaN in every slot before the start or at or past the
+  # length: XLA reads those slots and must mask both scores and values. For the kernel, whole blocks of NaN pass
+  # only if skipped, since whole blocks are not masked: row 0 (length 16) has two after it, row 4 (start 24) three
+  # before it at block 8. The others leave NaN in the masked part of the block holding their start or length: row 1
+  # [3, 9), row 2 [7, 8), and row 3 [16, 16) is empty (its output is zeros).
   q, k, v = _inputs(5, 4, 2, 16, 64, seed=2)
   starts, lengths = jnp.array([0, 3, 7, 16, 24], jnp.int32), jnp.array([16, 9, 8, 16, 70], jnp.int32)
   slot_1xS = jnp.arange(64)[None, :]
@@ -82,7 +94,7 @@ def test_slots_outside_the_span_are_ignored(block_s):
   k_nan = jnp.where(jnp.swapaxes(outside_Bx1xSx1, 2, 3), jnp.nan, k)
   v_nan = jnp.where(outside_Bx1xSx1, jnp.nan, v)
   want = decode_attention_reference(q, k, v, lengths, starts)
-  got = _pallas(q, k_nan, v_nan, lengths, starts, block_s=block_s)
+  got = _backend(backend, q, k_nan, v_nan, lengths, starts, block_s=block_s)
   assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(got, want, atol=ATOL_F32)
   np.testing.assert_array_equal(got[3], 0.0)
@@ -136,10 +148,12 @@ def test_reference_matches_attend_with_a_span_mask():
 
 def test_backend_dispatch():
   q, k, v = _inputs(5, 4, 2, 16, 32, seed=5)
-  lengths = _lengths(32)
-  want = decode_attention_reference(q, k, v, lengths)
-  np.testing.assert_array_equal(decode_attention(q, k, v, lengths, backend="xla"), want)
-  np.testing.assert_allclose(decode_attention(q, k, v, lengths, backend="pallas"), want, atol=ATOL_F32)
+  lengths, starts = _lengths(32), jnp.array([0, 0, 0, 4, 9], jnp.int32)
+  want = decode_attention_reference(q, k, v, lengths, starts)
+  xla = decode_attention(q, k, v, lengths, starts, backend="xla")
+  np.testing.assert_array_equal(xla, decode_attention_xla(q, k, v, lengths, starts))
+  np.testing.assert_allclose(xla, want, atol=ATOL_F32)
+  np.testing.assert_allclose(decode_attention(q, k, v, lengths, starts, backend="pallas"), want, atol=ATOL_F32)
   with pytest.raises(ValueError, match="'pallas', 'xla'"):
     decode_attention(q, k, v, lengths, backend="triton")
   assert default_backend() == ("xla" if jax.default_backend() == "cpu" else "pallas")

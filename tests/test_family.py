@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from jaxrl_batch import family
+from jaxrl_batch.config import family
 
 
 @pytest.mark.parametrize("rule, batch, expected", [
@@ -69,3 +69,40 @@ def test_adam_sde_scales_lr_betas_and_eps():
 def test_adam_sde_refuses_a_batch_that_breaks_beta1():
   with pytest.raises(ValueError, match="beta1, beta2 = -0.6, 0.984"):
     family.scale_adam(0.9, 0.999, 1e-8, 128, 16 * 128, "adam_sde")
+
+
+def test_member_of_a_prompts_family_derives_prompts_from_the_batch():
+  from configs import ppo_arith  # pylint: disable=import-outside-toplevel
+  m = family.member(ppo_arith.get_config("batch=256"))
+  assert (m.batch_size, m.num_prompts, m.group_size) == (256, 32, 8)
+  assert (m.mini_batch_size, m.micro_batch_size, m.num_micro, m.updates_per_step) == (128, 64, 2, 4)
+  assert m.total_steps == 192 and m.name == "sqrt_b256_s0"
+  assert m.actor_lr.lr == pytest.approx(5e-5 * math.sqrt(2)) and m.critic_lr.lr == pytest.approx(3e-4 * math.sqrt(2))
+  assert m.to_json()["batch_derivation"] == "B=256 rollouts = 32 prompts x 8 samples (family_axis=prompts: P = B / G)"
+
+
+def test_batch_override_on_a_group_size_family_changes_the_group_not_the_prompts():
+  from configs import grpo_arith  # pylint: disable=import-outside-toplevel
+  config = grpo_arith.get_config("family_axis=group_size")
+  assert (family.member(config).num_prompts, family.member(config).group_size) == (16, 8)
+  config.batch_size = 256  # --config.batch_size=256
+  m = family.member(config)
+  assert (m.num_prompts, m.group_size) == (16, 16)
+  assert "16 prompts x 16 samples (family_axis=group_size: G = B / P)" in m.describe()
+  assert m.actor_lr.describe() == "lr=7.07e-5 (sqrt rule: 5e-5 * sqrt(256/128))"
+
+
+@pytest.mark.parametrize("arg, overrides, match", [
+    ("", dict(batch_size=100), "batch_size=100 must be a positive multiple of group_size=8"),
+    ("family_axis=group_size", dict(batch_size=100), "multiple of num_prompts=16 .*family_axis=group_size"),
+    ("family_axis=group_size", dict(group_size=4), "group_size=4 contradicts batch_size=128 / num_prompts=16"),
+    ("", dict(num_prompts=3), "num_prompts=3 contradicts batch_size=128 / group_size=8"),
+    ("", dict(micro_batch_size=48), "micro_batch_size=48 must divide the mini-batch"),
+    ("", dict(sample_budget=64), "sample_budget=64 is smaller than one batch"),
+])
+def test_member_refuses_batch_settings_that_cannot_run(arg, overrides, match):
+  from configs import grpo_arith  # pylint: disable=import-outside-toplevel
+  config = grpo_arith.get_config(arg)
+  config.update(overrides)
+  with pytest.raises(ValueError, match=match):
+    family.member(config)

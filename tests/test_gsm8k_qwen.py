@@ -1,5 +1,5 @@
-"""configs/grpo_gsm8k_qwen.py end to end on CPU: the tiny_random member from a warm start, and from a Hugging Face
-checkpoint (`init_from`), with a chat template applied."""
+"""configs/grpo_gsm8k_qwen.py: members chosen by batch= or prompts=, and end to end on CPU: the tiny_random member
+from a warm start, and from a Hugging Face checkpoint (`init_from`), with a chat template applied."""
 import json
 import os
 
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from configs import grpo_gsm8k_qwen
-from jaxrl_batch.experiment import Experiment
-from jaxrl_batch.trainer import Trainer
+from jaxrl_batch.config import family
+from jaxrl_batch.train.setup import Experiment
+from jaxrl_batch.train.trainer import Trainer
 
 pytest.importorskip("safetensors")
 ONE = jax.devices()[:1]
@@ -22,6 +23,24 @@ def tiny_config(tmp_path, **fields):
   for key, value in fields.items():
     c[key] = value
   return c
+
+
+@pytest.mark.parametrize("arg, prompts, group_size, base_batch", [
+    ("model=tiny_random", 4, 4, 16), ("model=tiny_random,batch=32", 8, 4, 16),
+    ("model=tiny_random,prompts=8", 8, 4, 16), ("model=tiny_random,batch=32,prompts=8", 8, 4, 16),
+    ("model=qwen2.5-0.5b,batch=512", 64, 8, 1024), ("model=qwen2.5-0.5b,prompts=64", 64, 8, 1024),
+    ("model=qwen2.5-0.5b", 128, 8, 1024)])
+def test_batch_and_prompts_choose_the_member(arg, prompts, group_size, base_batch):
+  member = family.member(grpo_gsm8k_qwen.get_config(arg))
+  assert (member.num_prompts, member.group_size, member.batch_size) == (prompts, group_size, prompts * group_size)
+  lr = member.actor_lr
+  assert (lr.rule, lr.base_batch, lr.lr) == ("sqrt", base_batch, pytest.approx(lr.base_lr * np.sqrt(
+      member.batch_size / base_batch)))
+
+
+def test_batch_and_prompts_that_disagree_are_refused():
+  with pytest.raises(ValueError, match="batch=32 and prompts=4 disagree: batch = prompts x group size 4 = 16"):
+    grpo_gsm8k_qwen.get_config("model=tiny_random,batch=32,prompts=4")
 
 
 def test_tiny_random_runs_end_to_end_on_the_bundled_sample(tmp_path):

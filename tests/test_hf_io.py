@@ -16,8 +16,9 @@ from flax import nnx
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from jaxrl_batch import from_pretrained, save_pretrained, sharding  # noqa: E402
-from jaxrl_batch.checkpointing import Checkpointer  # noqa: E402
+from jaxrl_batch import from_pretrained, save_pretrained  # noqa: E402
+from jaxrl_batch.runtime import sharding  # noqa: E402
+from jaxrl_batch.runtime.checkpointing import Checkpointer  # noqa: E402
 from jaxrl_batch.hf import export_hf  # noqa: E402
 from jaxrl_batch.hf.config import to_model_config  # noqa: E402
 from jaxrl_batch.model import ModelConfig, RopeScaling, Transformer, sequence_logits  # noqa: E402

@@ -1,4 +1,4 @@
-"""Hugging Face tokenizer.json tokenizers: a byte-level BPE built in the test, loaded through `Tokenizer.load`."""
+"""Hugging Face tokenizer.json tokenizers: a byte-level BPE built in the test, loaded through `load_tokenizer`."""
 import json
 import os
 
@@ -7,8 +7,9 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from jaxrl_batch import hf_tokenizer  # noqa: E402
-from jaxrl_batch import tokenizer as tokenizer_lib  # noqa: E402
+from jaxrl_batch.text import hf_tokenizer  # noqa: E402
+from jaxrl_batch.text import tokenizer as tokenizer_lib  # noqa: E402
+from jaxrl_batch.text.loading import load_tokenizer  # noqa: E402
 
 CORPUS = ["the cat sat on the mat", "héllo wörld, 日本語 🙂", "a dog ate 12 bones\n\tand 345 more"] * 10
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",  # chatml (Qwen)
@@ -43,14 +44,14 @@ def _write(directory, bpe, **config):
 @pytest.fixture(scope="module")
 def qwen(bpe, tmp_path_factory):
   """Qwen-style: no BOS, no PAD, eos <|im_end|>, a chatml template."""
-  return tokenizer_lib.Tokenizer.load(_write(tmp_path_factory.mktemp("qwen"), bpe, bos_token=None,
+  return load_tokenizer(_write(tmp_path_factory.mktemp("qwen"), bpe, bos_token=None,
                                              eos_token="<|im_end|>", chat_template=CHATML))
 
 
 def test_load_directory_or_file(qwen, bpe):
   assert isinstance(qwen, hf_tokenizer.HFTokenizer)
   assert os.path.basename(qwen.path) == "tokenizer.json"
-  again = tokenizer_lib.Tokenizer.load(qwen.path)
+  again = load_tokenizer(qwen.path)
   assert again.encode("the cat") == qwen.encode("the cat") == bpe.encode("the cat").ids
   assert qwen.vocab_size == bpe.get_vocab_size() <= 400
 
@@ -82,7 +83,7 @@ def test_decode_rejects_ids_outside_vocab(qwen):
 
 
 def test_llama3_style_specials(bpe, tmp_path):
-  tok = tokenizer_lib.Tokenizer.load(_write(tmp_path, bpe, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+  tok = load_tokenizer(_write(tmp_path, bpe, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
                                             pad_token={"content": "<|end_of_text|>", "special": True}))
   assert tok.bos_ids == [bpe.token_to_id("<|begin_of_text|>")]
   assert (tok.eos_id, tok.pad_id) == (bpe.token_to_id("<|eot_id|>"), bpe.token_to_id("<|end_of_text|>"))
@@ -93,7 +94,7 @@ def test_special_tokens_map_fills_in_missing_keys(bpe, tmp_path):
   _write(tmp_path, bpe, eos_token="<eos>")
   with open(tmp_path / "special_tokens_map.json", "w", encoding="utf-8") as f:
     json.dump(dict(bos_token="<bos>", eos_token="</s>"), f)
-  tok = tokenizer_lib.Tokenizer.load(tmp_path)
+  tok = load_tokenizer(tmp_path)
   assert (tok.bos_id, tok.eos_id) == (bpe.token_to_id("<bos>"), bpe.token_to_id("<eos>"))
 
 
@@ -107,16 +108,16 @@ def test_chat_template_from_config(qwen):
 def test_chat_template_file_and_named_list(bpe, tmp_path):
   _write(tmp_path, bpe, eos_token="<eos>", chat_template=[dict(name="tool_use", template="{{ '<|im_start|>' }}"),
                                                            dict(name="default", template="{{ '<start_of_turn>' }}")])
-  assert tokenizer_lib.Tokenizer.load(tmp_path).chat_template == "{{ '<start_of_turn>' }}"
+  assert load_tokenizer(tmp_path).chat_template == "{{ '<start_of_turn>' }}"
   (tmp_path / "chat_template.jinja").write_text(CHATML, encoding="utf-8")
-  assert tokenizer_lib.Tokenizer.load(tmp_path).chat_template == CHATML
+  assert load_tokenizer(tmp_path).chat_template == CHATML
 
 
 def test_check_vocab_counts_added_special_tokens(qwen, bpe, tmp_path):
   tokenizer_lib.check_vocab(qwen, qwen.vocab_size)
   bpe = tokenizers.Tokenizer.from_str(bpe.to_str())
   bpe.add_special_tokens(["<|fim_prefix|>", "<|fim_suffix|>"])
-  grown = tokenizer_lib.Tokenizer.load(_write(tmp_path, bpe, eos_token="<|im_end|>"))
+  grown = load_tokenizer(_write(tmp_path, bpe, eos_token="<|im_end|>"))
   assert grown.vocab_size == qwen.vocab_size + 2 == grown.encode("<|fim_suffix|>")[0] + 1
   with pytest.raises(ValueError, match=f"{grown.vocab_size} ids \\(largest {grown.vocab_size - 1}, special tokens "
                                        f"included\\) .* only {qwen.vocab_size} rows.*model.vocab_size >= "):
@@ -125,16 +126,16 @@ def test_check_vocab_counts_added_special_tokens(qwen, bpe, tmp_path):
 
 def test_load_errors(bpe, tmp_path):
   with pytest.raises(FileNotFoundError, match="tokenizer.json.*or a SentencePiece .model file"):
-    tokenizer_lib.Tokenizer.load(tmp_path)
+    load_tokenizer(tmp_path)
   (tmp_path / "bad.json").write_text("not json")
   with pytest.raises(ValueError, match="is not a Hugging Face tokenizer.json"):
-    tokenizer_lib.Tokenizer.load(tmp_path / "bad.json")
+    load_tokenizer(tmp_path / "bad.json")
   _write(tmp_path / "no_eos", bpe, bos_token="<s>")
   with pytest.raises(ValueError, match="no EOS token.*eos_token"):
-    tokenizer_lib.Tokenizer.load(tmp_path / "no_eos")
+    load_tokenizer(tmp_path / "no_eos")
   _write(tmp_path / "typo", bpe, eos_token="<|im_emd|>")
   with pytest.raises(ValueError, match="eos_token='<\\|im_emd\\|>' .* not in the tokenizer's vocabulary"):
-    tokenizer_lib.Tokenizer.load(tmp_path / "typo")
+    load_tokenizer(tmp_path / "typo")
 
 
 # Shipped templates (Qwen2.5 without its tool branch, Llama 3.0, Gemma 3 for text, Mistral v0.1, Llama 2 chat),
@@ -215,7 +216,7 @@ def test_parity_with_transformers(bpe, tmp_path, family, conversation):
     pytest.skip("Mistral v0.1's template refuses system messages.")
   bos, eos, template = TEMPLATES[family]
   directory = _write(tmp_path, bpe, bos_token=bos, eos_token=eos, chat_template=template)
-  ours = tokenizer_lib.Tokenizer.load(directory)
+  ours = load_tokenizer(directory)
   theirs = transformers.AutoTokenizer.from_pretrained(directory)
   text = ours.apply_chat_template(messages)
   assert theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (bos or "") + text

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_batch import sharding
-from jaxrl_batch.model import KVCache, ModelConfig, Transformer, cache_mask, positions_from_valid, sequence_logits
+from jaxrl_batch.runtime import sharding
+from jaxrl_batch.model import (DecodeSpan, KVCache, ModelConfig, Transformer, cache_mask, positions_from_valid,
+                               sequence_logits)
 from jaxrl_batch.model.layers import apply_rope, attend
 
 CFG = ModelConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
@@ -81,7 +82,10 @@ def test_left_padding_does_not_change_logits(model):
   np.testing.assert_allclose(shifted[:, 3:], plain, atol=1e-5)
 
 
-def test_cached_decode_equals_full_forward(model):
+@pytest.mark.parametrize("decode_backend", ["xla", "pallas"])
+def test_cached_decode_equals_full_forward(model, decode_backend):
+  # A dense-mask prefill, then one-token steps that describe their keys by the span from each row's first real
+  # token to its own slot.
   graphdef, params = model
   b, p, n = 2, 5, 4
   tokens = _tokens(b, p + n, seed=3)
@@ -91,26 +95,48 @@ def test_cached_decode_equals_full_forward(model):
   net = nnx.merge(graphdef, params)
   cache = KVCache.zeros(CFG, b, p + n)
   positions = positions_from_valid(valid)
-  kv_valid = valid.at[:, p:].set(False)
-  logits, cache = net(tokens[:, :p], positions[:, :p], cache_mask(kv_valid, 0, p), cache, 0)
+  logits, cache = net(tokens[:, :p], positions[:, :p], cache_mask(valid.at[:, p:].set(False), 0, p), cache, 0)
   np.testing.assert_allclose(logits[1], full[1, :p], atol=1e-5)
   np.testing.assert_allclose(logits[0, 2:], full[0, 2:p], atol=1e-5)
+  starts = jnp.array([2, 0])
   for i in range(p, p + n):
-    kv_valid = kv_valid.at[:, i].set(True)
-    step_logits, cache = net(tokens[:, i:i + 1], positions[:, i:i + 1], cache_mask(kv_valid, i, 1), cache, i)
+    span = DecodeSpan(starts, jnp.full((b,), i + 1))
+    step_logits, cache = net(tokens[:, i:i + 1], positions[:, i:i + 1], span, cache, i,
+                             decode_backend=decode_backend)
     np.testing.assert_allclose(step_logits[:, 0], full[:, i], atol=1e-5)
 
 
+@pytest.mark.parametrize("decode_backend", ["xla", "pallas"])
+def test_decode_backend_picks_the_attention(model, decode_backend):
+  # Each layer runs the kernel under "pallas" and never under "xla" (the logits alone would not tell them apart).
+  net = nnx.merge(*model)
+  span = DecodeSpan(jnp.zeros(2, jnp.int32), jnp.full((2,), 3))
+  jaxpr = str(jax.make_jaxpr(lambda cache: net(_tokens(2, 1), jnp.full((2, 1), 2), span, cache, 2,
+                                               decode_backend=decode_backend))(KVCache.zeros(CFG, 2, 4)))
+  calls = jaxpr.count("name=decode_attention_pallas")  # one call per layer of a jitted kernel printed once
+  assert (calls, "pallas_call" in jaxpr) == ((CFG.num_layers, True) if decode_backend == "pallas" else (0, False))
+
+
+def test_decode_backend_is_refused_outside_a_cached_one_token_step(model):
+  net = nnx.merge(*model)
+  span = DecodeSpan(jnp.zeros(2, jnp.int32), jnp.full((2,), 3))
+  with pytest.raises(ValueError, match="T = 2"):
+    net(_tokens(2, 2), jnp.zeros((2, 2), jnp.int32), span, KVCache.zeros(CFG, 2, 4), 0, decode_backend="xla")
+  with pytest.raises(ValueError, match="no cache"):
+    net(_tokens(2, 1), jnp.zeros((2, 1), jnp.int32), span, decode_backend="xla")
+
+
 def test_decode_step_reads_the_cache_in_place(model):
-  # The only ops of a decode step whose result has a cache layer's shape are the in-place writes of the new token
-  # (a dynamic-update-slice, alone or as a fusion's root): no copy, transpose, slice or concatenate of the cache.
+  # The only ops of an XLA decode step whose result has a cache layer's shape are the in-place writes of the new
+  # token (a dynamic-update-slice, alone or as a fusion's root): no copy, transpose, slice or concatenate of the
+  # cache.
   graphdef, params = model
   b, s = 3, 24
   k_shape, v_shape = f"f32[{b},2,8,{s}]", f"f32[{b},2,{s},8]"  # (B, K, H, S) and (B, K, S, H) of CFG
 
   def step(params, cache, token_B):
-    mask = cache_mask(jnp.ones((b, s), bool), 10, 1)
-    return nnx.merge(graphdef, params)(token_B[:, None], jnp.full((b, 1), 10), mask, cache, 10)
+    span = DecodeSpan(jnp.array([0, 2, 5]), jnp.full((b,), 11))
+    return nnx.merge(graphdef, params)(token_B[:, None], jnp.full((b, 1), 10), span, cache, 10, decode_backend="xla")
 
   cache = KVCache.zeros(CFG, b, s)
   hlo = jax.jit(step, donate_argnums=1).lower(params, cache, jnp.zeros((b,), jnp.int32)).compile().as_text()

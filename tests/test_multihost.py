@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxrl_batch.trainer import Trainer
+from jaxrl_batch.train.trainer import Trainer
 from tests.test_trainer import debug_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,10 +1,14 @@
 """Tests for the AdamW builder and its sample-based schedule."""
+import math
+
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
-from jaxrl_batch import optim
+from jaxrl_batch.config import optim
 
 
 def _cfg(**overrides):
@@ -58,6 +62,91 @@ def test_explicit_lr_overrides_rule():
 def test_rejects_bad_config(overrides, match):
   with pytest.raises(ValueError, match=match):
     optim.make_optimizer(_cfg(**overrides), samples_per_update=16, sample_budget=10_000)
+
+
+def _reference_schedule(peak_lr, samples_per_update, warmup_samples, kind, sample_budget, final_lr_frac):
+  """The hand-written jnp schedule that the optax schedules replaced, evaluated in samples: the reference."""
+  def schedule(step):
+    samples = jnp.asarray(step, jnp.float32) * samples_per_update
+    warmup = jnp.minimum(samples / warmup_samples, 1.0) if warmup_samples > 0 else 1.0
+    if kind == "constant":
+      return peak_lr * warmup
+    progress = jnp.clip((samples - warmup_samples) / (sample_budget - warmup_samples), 0.0, 1.0)
+    cosine = final_lr_frac + (1.0 - final_lr_frac) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    return peak_lr * warmup * cosine
+  return schedule
+
+
+# The shipped members (configs/grpo_arith.py): B0 = 128, lr0 = 5e-5, warmup 1024 samples; (32, 4) is B = 32 with
+# configs/ppo_arith.py's 2 epochs x 2 mini-batches, 8 samples per update.
+SHIPPED_MEMBERS = [(128, 1), (64, 1), (256, 1), (512, 1), (32, 4)]
+
+
+def _shipped(batch, updates_per_batch, rule, warmup_samples, schedule="constant", sample_budget=49_152):
+  cfg = _cfg(base_lr=5e-5, base_batch=128, lr_rule=rule, lr=-1.0, grad_clip=1.0, warmup_samples=warmup_samples,
+             schedule=schedule, final_lr_frac=0.1)
+  opt = optim.make_optimizer(cfg, batch, sample_budget, updates_per_batch)
+  ref = _reference_schedule(opt.lr.lr, batch / updates_per_batch, warmup_samples, schedule, sample_budget, 0.1)
+  return opt, ref
+
+
+@pytest.mark.parametrize("warmup_samples", [1024, 0])
+@pytest.mark.parametrize("rule", ["sqrt", "none", "linear", "adam_sde"])
+@pytest.mark.parametrize("batch, updates_per_batch", SHIPPED_MEMBERS)
+def test_constant_schedule_is_bitwise_the_reference(batch, updates_per_batch, rule, warmup_samples):
+  opt, ref = _shipped(batch, updates_per_batch, rule, warmup_samples)
+  counts = jnp.arange(51, dtype=jnp.int32)  # optax passes an int32 count.
+  expected = np.asarray(jnp.broadcast_to(ref(counts), counts.shape), np.float32)
+  for got in (np.float32([opt.schedule(n) for n in range(51)]), jax.jit(opt.schedule)(counts)):
+    np.testing.assert_array_equal(np.asarray(jnp.broadcast_to(got, counts.shape), np.float32), expected)
+
+
+def test_constant_schedule_trains_bitwise_as_the_reference():
+  # A rerun or resumed job must see the same parameters: 40 AdamW updates through warmup and beyond.
+  opt, ref = _shipped(64, 1, "sqrt", 1024)
+  b1, b2, eps = opt.adam
+  ref_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(ref, b1=b1, b2=b2, eps=eps, weight_decay=0.0))
+  grads = jax.random.normal(jax.random.key(0), (40, 5))  # Norms around 2: most are clipped.
+  paths = []
+  for tx in (opt.tx, ref_tx):
+    params = jnp.zeros(5)  # Params of the size of one update keep a one-ulp change of the lr visible.
+    state, path = tx.init(params), []
+    for g in grads:
+      updates, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, updates)
+      path.append(np.asarray(params))
+    paths.append(np.stack(path))
+  np.testing.assert_array_equal(paths[0], paths[1])
+
+
+@pytest.mark.parametrize("warmup_samples", [1024, 0])
+@pytest.mark.parametrize("batch, updates_per_batch", SHIPPED_MEMBERS)
+def test_cosine_schedule_matches_the_reference(batch, updates_per_batch, warmup_samples):
+  opt, ref = _shipped(batch, updates_per_batch, "sqrt", warmup_samples, schedule="cosine")
+  counts = jnp.arange(49_152 // batch * updates_per_batch + 10, dtype=jnp.int32)  # Past the budget: held.
+  np.testing.assert_allclose(jax.jit(opt.schedule)(counts), ref(counts), rtol=1e-6)
+
+
+def test_cosine_schedule_with_fractional_phases_matches_the_reference():
+  # 1000 / 96 warmup and 9000 / 96 decay updates: the phase boundaries fall between updates.
+  cfg = _cfg(lr_rule="none", warmup_samples=1000, schedule="cosine")
+  opt = optim.make_optimizer(cfg, samples_per_update=96, sample_budget=10_000)
+  ref = _reference_schedule(1e-4, 96, 1000, "cosine", 10_000, 0.1)
+  counts = jnp.arange(120, dtype=jnp.int32)
+  np.testing.assert_allclose(opt.schedule(counts), ref(counts), rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule, warmup_samples, samples_per_update, updates_per_batch", [
+    ("constant", 1024, 128, 1), ("constant", 0, 64, 1), ("constant", 1024, 32, 4), ("constant", 1000, 96, 1),
+    ("cosine", 1024, 128, 1), ("cosine", 0, 256, 1), ("cosine", 1024, 32, 4), ("cosine", 1000, 96, 1),
+])
+def test_lr_at_is_the_schedule_on_the_host(schedule, warmup_samples, samples_per_update, updates_per_batch):
+  cfg = _cfg(warmup_samples=warmup_samples, schedule=schedule)
+  opt = optim.make_optimizer(cfg, samples_per_update, 10_000, updates_per_batch)
+  for n in range(10_000 // samples_per_update * updates_per_batch + 10):
+    lr = opt.lr_at(n)
+    assert type(lr) is float
+    assert math.isclose(lr, float(opt.schedule(n)), rel_tol=1e-6, abs_tol=0.0), n
 
 
 def _numpy_adamw(params, grads_list, lr, b1, b2, eps, wd):

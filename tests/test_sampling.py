@@ -1,12 +1,12 @@
-"""Sampler: exact tokens from a fake model, EOS handling, cache buckets and early exit, agreement with a full
-forward pass, the Pallas backend, group prefix sharing and no recompiles."""
+"""Sampler: exact tokens from a fake model, EOS handling, cache buckets and early exit, the decode backend handed
+to the model, agreement with a full forward pass, the Pallas backend, group prefix sharing and no recompiles."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_batch import sharding
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.model import ModelConfig, Transformer, sequence_logits
 from jaxrl_batch.sampling import SamplingParams, generate
 from jaxrl_batch.sampling.generate import cache_buckets
@@ -19,16 +19,19 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 class StepLog:
-  """(cache slot written, cache slots) of each decode step run; hashable by identity (static model metadata)."""
+  """(cache slot written, cache slots) of each decode step run, and the decode backends the model was handed;
+  hashable by identity (static model metadata)."""
 
   def __init__(self):
     self.steps = []
+    self.backends = set()
 
 
 class CountingModel(nnx.Module):
   """Deterministic fake: the next token is (current token + 1) mod V, with overwhelming confidence.
 
-  Each decode step (a `__call__`; the prefill uses `hidden`) is recorded in `log` when one is given.
+  Each decode step (a `__call__`; the prefill uses `hidden`) is recorded in `log` when one is given; it ignores the
+  span and the decode backend it is handed.
   """
 
   def __init__(self, log=None):
@@ -42,8 +45,9 @@ class CountingModel(nnx.Module):
   def logits(self, hidden_BxT):
     return 50.0 * jax.nn.one_hot((hidden_BxT + 1) % V, V)
 
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None, decode_backend=None):
     if self.log is not None:
+      self.log.backends.add(decode_backend)
       size = cache.length
       jax.debug.callback(lambda slot: self.log.steps.append((int(slot), size)), cache_index)
     return self.logits(tokens_BxT), cache
@@ -110,6 +114,20 @@ def test_each_step_reads_the_smallest_bucket_and_the_loop_ends_with_the_last_row
   jax.effects_barrier()
   np.testing.assert_array_equal(out.lengths_B, [8, 5])
   assert sorted(log.steps) == [(1, 2), (2, 4), (3, 4), (4, 8), (5, 8), (6, 8), (7, 8)]
+  assert log.backends == {"xla"}  # "auto" on CPU
+
+
+def test_the_pallas_backend_is_handed_to_the_model_and_decodes_over_the_full_cache():
+  # As above, but one 40-slot segment: the kernel reads only the live blocks, so the cache does not grow.
+  log = StepLog()
+  graphdef, params = _fake(log)
+  prompt = jnp.array([[6], [9]], jnp.int32)
+  out = generate(graphdef, params, prompt, prompt != PAD, jax.random.key(0), max_new_tokens=40, eos_id=EOS,
+                 pad_id=PAD, sampling=SamplingParams(temperature=0.0, attention_backend="pallas"))
+  jax.effects_barrier()
+  np.testing.assert_array_equal(out.lengths_B, [8, 5])
+  assert sorted(log.steps) == [(slot, 40) for slot in range(1, 8)]
+  assert log.backends == {"pallas"}
 
 
 def test_no_decode_step_when_every_row_stops_at_once():

@@ -1,34 +1,100 @@
-"""The study runner: members from flags or sweep(), equal budgets, skip/resume, and a tiny study end to end."""
+"""The study runner: members from flags or sweep(), every member validated first, equal budgets, skip/resume, and
+tiny studies end to end (the arithmetic debug family, and the GSM8K tiny_random family at two batch sizes).
+
+Trained runs are shared: one SFT cache per module, and each study or sweep is trained once by a module fixture.
+"""
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
 from configs import grpo_arith
-from jaxrl_batch import study
 from jaxrl_batch.analysis import analyze
-from jaxrl_batch.config_args import apply_overrides
+from jaxrl_batch.config.args import apply_overrides
+from jaxrl_batch.study import runner as study
+from jaxrl_batch.train import rundir
 
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "grpo_arith.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "grpo_arith.py")
+GSM8K = os.path.join(ROOT, "configs", "grpo_gsm8k_qwen.py")
+ONE = jax.devices()[:1]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """`--set` of an SFT cache shared by every run of the module (one warm start per model)."""
+  return f"sft.cache_dir={tmp_path_factory.mktemp('base')}"
+
+
+@pytest.fixture(scope="module")
+def arith_study(tmp_path_factory, cache):
+  """(run_study args, workdir) of the demo's reduced study: 2 rules x 2 batches of the debug family, trained."""
+  workdir = str(tmp_path_factory.mktemp("arith") / "study")
+  overrides = [cache, "sample_budget=64", "eval_every_samples=32"]
+  args = (CONFIG + ":debug", workdir, [16, 32], ["sqrt", "none"], 1, overrides)
+  study.run_study(*args, devices=ONE)
+  return args, workdir
+
+
+@pytest.fixture(scope="module")
+def gsm8k_study(tmp_path_factory, cache):
+  """The members of `launch.study --config=configs/grpo_gsm8k_qwen.py:model=tiny_random --batches=16,32
+  --rules=sqrt --seeds=1`, trained, and their workdir."""
+  workdir = str(tmp_path_factory.mktemp("gsm8k") / "study")
+  members = study.run_study(GSM8K + ":model=tiny_random", workdir, [16, 32], ["sqrt"], 1, [cache], devices=ONE)
+  return members, workdir
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, cache):
+  """(plan directory, rates) of a 2-step throughput sweep of the GSM8K tiny family in <plan dir>/throughput/."""
+  plan_dir = tmp_path_factory.mktemp("plan")
+  rates = study.throughput_sweep(GSM8K + ":model=tiny_random", str(plan_dir / "throughput"), [16, 32], "sqrt", 2,
+                                 [cache], devices=ONE)
+  return plan_dir, rates
 
 
 def test_members_come_from_flags_or_the_sweep():
   module = study.load_config_module(CONFIG)
-  swept = study.members(module, [], [], 2)
-  assert {m.batch for m in swept} == {64, 128, 256, 512} and {m.rule for m in swept} == {"sqrt", "none"}
-  assert len(swept) == 4 * 2 * 2
-  explicit = study.members(module, [16, 32], ["sqrt"], 1)
-  assert [m.name for m in explicit] == ["sqrt_b16_s0", "sqrt_b32_s0"]
+  swept_members = study.member_fields(module, [], [], 2)
+  assert {m["batch"] for m in swept_members} == {64, 128, 256, 512}
+  assert {m["lr_rule"] for m in swept_members} == {"sqrt", "none"} and len(swept_members) == 4 * 2 * 2
+  assert study.member_fields(module, [16, 32], ["sqrt"], 1) == [dict(batch=16, lr_rule="sqrt", seed=0),
+                                                                  dict(batch=32, lr_rule="sqrt", seed=0)]
+  gsm8k = study.member_fields(study.load_config_module(GSM8K), [], [], 1)
+  assert [m["batch"] for m in gsm8k] == [512, 1024, 2048, 4096, 8192, 16384, 32768]
   with pytest.raises(ValueError, match="at least one seed"):
-    study.members(module, [16], ["sqrt"], 0)
+    study.member_fields(module, [16], ["sqrt"], 0)
 
 
 def test_member_config_derives_from_the_family():
   module = study.load_config_module(CONFIG)
-  c = study.member_config(module, "", study.Member("none", 256, 2), ["sample_budget=4096", "optim.b1=0.8"])
+  fields = dict(batch=256, lr_rule="none", seed=2)
+  c = study.member_config(module, "", fields, ["sample_budget=4096", "optim.b1=0.8"])
   assert (c.batch_size, c.optim.lr_rule, c.seed, c.sample_budget, c.optim.b1) == (256, "none", 2, 4096, 0.8)
   assert c.optim.base_batch == grpo_arith.BASE_BATCH
+  member = study.derive(c, fields, ONE)
+  assert (member.name, member.num_prompts, member.actor_lr.lr) == ("none_b256_s2", 32, grpo_arith.BASE_LR)
+  # The member's fields come after the base argument and win.
+  assert study.config_arg("debug,batch=8", fields) == "debug,batch=8,batch=256,lr_rule=none,seed=2"
+
+
+@pytest.mark.parametrize("body, batches, message", [
+    ("c = grpo_gsm8k_qwen.get_config(arg)", [16, 18], "batch_size=18 must be a positive multiple of group_size=4"),
+    ("c = grpo_arith.get_config(arg); c.sample_budget = 4 * c.batch_size", [16, 32],
+     r"different sample budgets \[64, 128\]"),
+    ("c = grpo_arith.get_config(arg); c.batch_size = 16", [16, 32],
+     "Member .*'batch': 32.* built a config with batch=16: the config's get_config must honour batch="),
+])
+def test_every_member_validates_before_any_trains(tmp_path, body, batches, message):
+  path = tmp_path / "family.py"
+  path.write_text(f"from configs import grpo_arith, grpo_gsm8k_qwen\n\ndef get_config(arg):\n  {body}\n  return c\n")
+  with pytest.raises(ValueError, match=message):
+    study.run_study(f"{path}:debug", str(tmp_path / "study"), batches, ["sqrt"], 1, devices=ONE)
+  assert not (tmp_path / "study").exists()
 
 
 @pytest.mark.parametrize("override, message", [
@@ -42,22 +108,27 @@ def test_bad_overrides_are_refused(override, message):
     apply_overrides(grpo_arith.get_config("debug"), [override])
 
 
-def test_tiny_study_runs_every_member_to_the_same_budget_and_skips_finished(tmp_path):
-  workdir = str(tmp_path / "study")
-  overrides = [f"sft.cache_dir={tmp_path / 'base'}", "sample_budget=64", "eval_every_samples=32"]
-  args = (CONFIG + ":debug", workdir, [16, 32], ["sqrt", "none"], 1, overrides)
-  study.run_study(*args, devices=jax.devices()[:1])
+def test_tiny_study_runs_every_member_to_the_same_budget(arith_study):
+  _, workdir = arith_study
   names = sorted(os.listdir(workdir))
   assert names == ["none_b16_s0", "none_b32_s0", "sqrt_b16_s0", "sqrt_b32_s0"]
   for name in names:
-    assert study.finished_samples(os.path.join(workdir, name)) == 64
-    with open(os.path.join(workdir, name, "config.json")) as f:
-      saved = json.load(f)["config"]
-    assert saved["batch_size"] == int(name.split("_b")[1].split("_")[0])
-  mtimes = {n: os.path.getmtime(os.path.join(workdir, n, "metrics.jsonl")) for n in names}
-  study.run_study(*args, devices=jax.devices()[:1])
-  assert mtimes == {n: os.path.getmtime(os.path.join(workdir, n, "metrics.jsonl")) for n in names}
+    assert rundir.finished_samples(os.path.join(workdir, name)) == 64
+    saved = rundir.read_config(os.path.join(workdir, name))
+    assert saved["config"]["batch_size"] == saved["derived"]["batch_size"] == int(name.split("_b")[1].split("_")[0])
 
+
+def test_rerunning_a_study_skips_finished_members(arith_study):
+  args, workdir = arith_study
+  paths = [rundir.metrics_path(os.path.join(workdir, n)) for n in sorted(os.listdir(workdir))]
+  mtimes = [os.path.getmtime(p) for p in paths]
+  assert [m.name for m in study.run_study(*args, devices=ONE)] == [
+      "sqrt_b16_s0", "sqrt_b32_s0", "none_b16_s0", "none_b32_s0"]
+  assert mtimes == [os.path.getmtime(p) for p in paths]
+
+
+def test_tiny_study_is_analysed_with_censored_members(arith_study):
+  _, workdir = arith_study
   analysis = analyze(workdir, target=0.5)
   assert analysis["reference"] == "sqrt_b16"
   assert {m["member"] for m in analysis["members"]} == {"sqrt_b16", "sqrt_b32", "none_b16", "none_b32"}
@@ -70,34 +141,45 @@ def test_tiny_study_runs_every_member_to_the_same_budget_and_skips_finished(tmp_
   assert "Censored" in open(os.path.join(workdir, "report.md")).read()
 
 
-def test_throughput_sweep_measures_each_batch(tmp_path):
-  rates = study.throughput_sweep(CONFIG + ":debug", str(tmp_path / "sweep"), [8, 16], "sqrt", 3,
-                                 [f"sft.cache_dir={tmp_path / 'base'}"], devices=jax.devices()[:1])
-  assert sorted(rates) == [8, 16] and all(r > 0 for r in rates.values())
-  assert study.finished_samples(str(tmp_path / "sweep" / "b16")) == 48
+def test_gsm8k_tiny_study_runs_two_batches_to_the_same_budget_and_is_analysed(gsm8k_study):
+  members, workdir = gsm8k_study
+  assert [(m.name, m.num_prompts, m.group_size) for m in members] == [("sqrt_b16_s0", 4, 4), ("sqrt_b32_s0", 8, 4)]
+  for m in members:
+    assert rundir.finished_samples(os.path.join(workdir, m.name)) == m.sample_budget == 64
+    assert rundir.read_config(os.path.join(workdir, m.name))["derived"]["num_prompts"] == m.num_prompts
+  assert members[1].actor_lr.describe() == "lr=1.41e-4 (sqrt rule: 1e-4 * sqrt(32/16))"
+  analysis = analyze(workdir, target=0.5)
+  assert analysis["skipped"] == []
+  assert [(m["member"], m["n_seeds"]) for m in analysis["members"]] == [("sqrt_b16", 1), ("sqrt_b32", 1)]
+  assert all(m["throughput_samples_per_s"] > 0 for m in analysis["members"])
+
+
+def test_throughput_sweep_measures_each_batch(swept):
+  plan_dir, rates = swept
+  assert sorted(rates) == [16, 32] and all(r > 0 for r in rates.values())
+  assert [rundir.finished_samples(str(plan_dir / "throughput" / b)) for b in ("b16", "b32")] == [32, 64]
   with pytest.raises(ValueError, match=">= 2 steps"):
-    study.throughput_sweep(CONFIG + ":debug", str(tmp_path / "sweep"), [8], "sqrt", 1)
+    study.throughput_sweep(GSM8K, str(plan_dir / "other"), [16], "sqrt", 1)
 
 
-def test_plan_batch_cli_writes_the_plan(tmp_path):
-  import subprocess
-  import sys
+def test_plan_batch_cli_writes_the_plan_and_reuses_finished_sweep_runs(swept, cache):
+  plan_dir, _ = swept
   analysis = dict(target=0.9, members=[
-      dict(rule="sqrt", batch=8, samples_to_target=1000.0, time_to_target_s=4.0),
-      dict(rule="sqrt", batch=16, samples_to_target=1500.0, time_to_target_s=5.0),
-      dict(rule="none", batch=16, samples_to_target=None, time_to_target_s=None)])
-  with open(tmp_path / "analysis.json", "w") as f:
-    json.dump(analysis, f)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+      dict(rule="sqrt", batch=16, samples_to_target=1000.0, time_to_target_s=4.0),
+      dict(rule="sqrt", batch=32, samples_to_target=1500.0, time_to_target_s=5.0),
+      dict(rule="none", batch=32, samples_to_target=None, time_to_target_s=None)])
+  (plan_dir / "analysis.json").write_text(json.dumps(analysis))
+  logs = [plan_dir / "throughput" / b / rundir.METRICS for b in ("b16", "b32")]
+  mtimes = [os.path.getmtime(p) for p in logs]
   proc = subprocess.run(
-      [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_arith.py:debug", f"--workdir={tmp_path}",
-       "--batches=8,16", "--steps=2", f"--set=sft.cache_dir={tmp_path / 'base'}", "--set=mesh.data=1"],
-      cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+      [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
+       f"--workdir={plan_dir}", "--batches=16,32", "--steps=2", f"--set={cache}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  with open(tmp_path / "plan.json") as f:
-    plan = json.load(f)
-  # S(8) = 1000, S(16) = 1500: S_min = 500, B_noise = 8.
-  assert plan["s_min"] == pytest.approx(500) and plan["b_noise"] == pytest.approx(8)
+  assert mtimes == [os.path.getmtime(p) for p in logs]  # The sweep's runs were finished: nothing retrained.
+  plan = json.loads((plan_dir / "plan.json").read_text())
+  # S(16) = 1000, S(32) = 1500: S_min = 500, B_noise = 16.
+  assert plan["s_min"] == pytest.approx(500) and plan["b_noise"] == pytest.approx(16)
   assert [r["measured_time_to_target_s"] for r in plan["rows"]] == [4.0, 5.0]
-  assert plan["recommended_batch"] in (8, 16) and "Recommended batch" in proc.stdout
-  assert os.path.exists(tmp_path / "plan.md")
+  assert plan["recommended_batch"] in (16, 32) and "Recommended batch" in proc.stdout
+  assert (plan_dir / "plan.md").exists()

@@ -6,14 +6,16 @@ import sys
 import numpy as np
 import pytest
 
-import jaxrl_batch
-from jaxrl_batch import tokenizer as tokenizer_lib
+import jaxrl_batch.text
+from jaxrl_batch.text import tokenizer as tokenizer_lib
+from jaxrl_batch.text.loading import load_tokenizer
+from jaxrl_batch.text.spm_tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 CORPUS = ["the cat sat on the mat", "a dog ate 12 bones", "cats and dogs 345"] * 20
 
 
 def _train(path, **options):
-  return tokenizer_lib.train_sentencepiece(CORPUS, path, vocab_size=40, hard_vocab_limit=False, **options)
+  return train_sentencepiece(CORPUS, path, vocab_size=40, hard_vocab_limit=False, **options)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +49,14 @@ def test_decode_rejects_ids_outside_vocab(tok):
 
 def test_load_missing_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="not found"):
-    tokenizer_lib.Tokenizer.load(tmp_path / "missing.model")
+    load_tokenizer(tmp_path / "missing.model")
 
 
 def test_load_not_a_model(tmp_path):
   path = tmp_path / "bad.model"
   path.write_bytes(b"definitely not a protobuf")
   with pytest.raises(ValueError, match="not a SentencePiece model"):
-    tokenizer_lib.Tokenizer.load(path)
+    load_tokenizer(path)
 
 
 @pytest.mark.parametrize("missing", ["pad_id", "eos_id"])
@@ -93,18 +95,18 @@ def test_check_vocab(tok):
 
 
 def test_load_dispatches_on_the_path(tok):
-  assert isinstance(tok, tokenizer_lib.SentencePieceTokenizer)
-  loaded = tokenizer_lib.Tokenizer.load(tok.path)
-  assert isinstance(loaded, tokenizer_lib.SentencePieceTokenizer) and isinstance(loaded, tokenizer_lib.Tokenizer)
+  assert isinstance(tok, SentencePieceTokenizer)
+  loaded = load_tokenizer(tok.path)
+  assert isinstance(loaded, SentencePieceTokenizer) and isinstance(loaded, tokenizer_lib.Tokenizer)
   assert loaded.encode("the dog sat") == tok.encode("the dog sat")
 
 
 def test_json_path_without_tokenizers_package(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "tokenizers", None)  # Importing it now fails, as when it is not installed.
-  monkeypatch.delitem(sys.modules, "jaxrl_batch.hf_tokenizer", raising=False)
-  monkeypatch.delattr(jaxrl_batch, "hf_tokenizer", raising=False)
+  monkeypatch.delitem(sys.modules, "jaxrl_batch.text.hf_tokenizer", raising=False)
+  monkeypatch.delattr(jaxrl_batch.text, "hf_tokenizer", raising=False)
   with pytest.raises(ImportError, match="needs the `tokenizers` package: pip install"):
-    tokenizer_lib.Tokenizer.load(tmp_path / "tokenizer.json")
+    load_tokenizer(tmp_path / "tokenizer.json")
 
 
 def test_bos_ids(tok, tmp_path):

@@ -1,4 +1,5 @@
 """The training loop end to end on the debug config: metrics contract, exact resume, and refused bad input."""
+import contextlib
 import json
 import os
 import signal
@@ -10,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from configs import grpo_arith
-from jaxrl_batch.checkpointing import Checkpointer
-from configs import ppo_arith
+from configs import grpo_arith, ppo_arith
 from jaxrl_batch.rl import learner
-from jaxrl_batch.trainer import Trainer
+from jaxrl_batch.runtime import transfer
+from jaxrl_batch.runtime.checkpointing import Checkpointer
+from jaxrl_batch.train.trainer import Trainer
 
 ONE_DEVICE = jax.devices()[:1]
 TRAIN_FIELDS = {"step", "samples", "samples_generated", "wall_s", "rollout_s", "update_s", "lr", "reward_mean",
@@ -214,3 +215,48 @@ def test_dynamic_sampling_overlong_and_adaptive_kl_in_the_reward(tmp_path, base_
   assert train[-1]["samples"] >= 192 and train[-1]["samples_generated"] == 32 * sum(r["sampling_rounds"] for r in train)
   coefs = [r["kl_coef"] for r in train]
   assert coefs[0] == 0.05 and len(set(coefs)) > 1  # The controller moves the coefficient.
+
+
+@contextlib.contextmanager
+def named_transfers_only():
+  """Transfers outside a named crossing (`runtime.transfer`) raise: host-to-device ones by the transfer guard,
+  device-to-host reads (which the guard does not see on CPU) by a check on every array read."""
+  from jax._src import array as jax_array  # pylint: disable=import-outside-toplevel
+  value = jax_array.ArrayImpl._value
+
+  def guarded(self):
+    if transfer.current() is None:
+      raise RuntimeError("a device-to-host read outside a named transfer")
+    return value.fget(self)
+
+  jax_array.ArrayImpl._value = property(guarded)
+  try:
+    with jax.transfer_guard("disallow_explicit"):
+      yield
+  finally:
+    jax_array.ArrayImpl._value = value
+
+
+@pytest.mark.parametrize("module, overrides", [
+    (grpo_arith, {}),
+    (ppo_arith, {}),  # 2 epochs x 2 mini-batches; the first step trains the critic only.
+    (grpo_arith, {"rl.dynamic_sampling": True, "rl.kl_coef": 0.05, "rl.kl_target": 0.01, "rl.mini_batches": 2}),
+], ids=["grpo", "ppo", "grpo_dynamic_adaptive_kl"])
+def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, overrides):
+  config = debug_config(base_cache, module, sample_budget=128, eval_every_samples=0, checkpoint_every_samples=0,
+                        **overrides)
+  trainer = Trainer(config, str(tmp_path / "run"), devices=ONE_DEVICE)
+  trainer.exp.task.reward = lambda completion, problem: len(completion) % 3 / 2  # Spread for the advantages.
+  state, progress = trainer.start()
+  transfer.reset()
+  try:
+    with named_transfers_only():
+      trainer.loop(state, progress)
+  finally:
+    trainer.checkpointer.close()
+  counts = transfer.counts()
+  rows = [r for r in read_rows(str(tmp_path / "run")) if "reward_mean" in r]
+  steps, rounds = len(rows), sum(r["sampling_rounds"] for r in rows)
+  assert steps == 4 and all(r["reward_std"] > 0 for r in rows)
+  # Per sampling round: prompts up, tokens down; per step: rewards up, metrics down; evaluation at 0 and at the end.
+  assert counts == dict(prompts=rounds, tokens=rounds, rewards=steps, metrics=steps, eval=2, checkpoint=1)

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl_batch import sharding
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs

@@ -54,8 +54,8 @@ def _mean(values: list[float]) -> float | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Member:
-  """The seeds of one (rule, batch)."""
+class MemberResults:
+  """The results of one member (rule, batch) of a study: its seeds' `SeedResult`s and their aggregate."""
   rule: str
   batch: int
   seeds: tuple[SeedResult, ...]
@@ -93,8 +93,8 @@ class Member:
         n_seeds=len(self.seeds), n_censored=len(self.seeds) - len(reached))
 
 
-def group(results: list[SeedResult]) -> list[Member]:
+def group(results: list[SeedResult]) -> list[MemberResults]:
   """Members of `results`, sorted by rule then batch."""
   keys = sorted({(r.run.rule, r.run.batch) for r in results})
-  return [Member(rule, batch, tuple(r for r in results if (r.run.rule, r.run.batch) == (rule, batch)))
+  return [MemberResults(rule, batch, tuple(r for r in results if (r.run.rule, r.run.batch) == (rule, batch)))
           for rule, batch in keys]

@@ -4,17 +4,17 @@ import os
 import numpy as np
 from matplotlib.figure import Figure
 
-from jaxrl_batch.analysis.members import Member
+from jaxrl_batch.analysis.members import MemberResults
 
 FILES = ("accuracy_vs_samples.png", "accuracy_vs_time.png", "throughput_vs_batch.png",
          "time_to_target_vs_batch.png")
 
 
-def _rules(members: list[Member]) -> list[str]:
+def _rules(members: list[MemberResults]) -> list[str]:
   return sorted({m.rule for m in members})
 
 
-def _accuracy(members: list[Member], target: float, in_time: bool) -> Figure:
+def _accuracy(members: list[MemberResults], target: float, in_time: bool) -> Figure:
   """One panel per rule, one seed-mean line per batch, the target as a dashed line."""
   rules = _rules(members)
   fig = Figure(figsize=(5 * len(rules), 4))
@@ -31,7 +31,7 @@ def _accuracy(members: list[Member], target: float, in_time: bool) -> Figure:
   return fig
 
 
-def _throughput(members: list[Member], summaries: dict[str, dict]) -> Figure:
+def _throughput(members: list[MemberResults], summaries: dict[str, dict]) -> Figure:
   """Per rule, stacked bars of rollout / reward / update seconds per sample at each batch."""
   rules = _rules(members)
   fig = Figure(figsize=(5 * len(rules), 4))
@@ -51,7 +51,7 @@ def _throughput(members: list[Member], summaries: dict[str, dict]) -> Figure:
   return fig
 
 
-def _time_to_target(members: list[Member], summaries: dict[str, dict], target: float) -> Figure:
+def _time_to_target(members: list[MemberResults], summaries: dict[str, dict], target: float) -> Figure:
   """Mean time-to-target with its 90% interval per batch, one series per rule; censored members as x at the top."""
   fig = Figure(figsize=(6, 4))
   fig.subplots_adjust(bottom=0.14, left=0.12)
@@ -79,7 +79,7 @@ def _time_to_target(members: list[Member], summaries: dict[str, dict], target: f
   return fig
 
 
-def write(members: list[Member], summaries: list[dict], target: float, out_dir: str) -> list[str]:
+def write(members: list[MemberResults], summaries: list[dict], target: float, out_dir: str) -> list[str]:
   """Writes the four PNGs into `out_dir`; returns their file names."""
   by_name = {s["member"]: s for s in summaries}
   figures = (_accuracy(members, target, in_time=False), _accuracy(members, target, in_time=True),

@@ -1,8 +1,9 @@
 """Reads a study directory: one run per subdirectory `<rule>_b<batch>_s<seed>/` written by `launch.train`.
 
-Batch, rule and seed come from each run's `config.json` (the directory name is only a label). Subdirectories
-without `config.json` or `metrics.jsonl`, or whose log has fewer than 2 training rows or no evaluation row yet,
-are skipped and listed with the reason; anything malformed is an error naming the file.
+Batch, rule and seed come from each run's `config.json` (the directory name is only a label); both files are read
+through `train.rundir`. Subdirectories without `config.json` or `metrics.jsonl`, or whose log has fewer than 2
+training rows or no evaluation row yet, are skipped and listed with the reason; anything malformed is an error naming
+the file (and line).
 """
 import dataclasses
 import json
@@ -11,6 +12,7 @@ import os
 import numpy as np
 
 from jaxrl_batch.analysis import clock
+from jaxrl_batch.train import rundir
 
 PHASES = ("rollout_s", "reward_s", "update_s")  # Per-step phase seconds of a training row.
 
@@ -51,34 +53,30 @@ class Run:
     return bool(self.train_samples[-1] >= self.sample_budget)
 
 
-def _read_config(path: str) -> tuple[str, int, int, int]:
+def _read_config(run_dir: str) -> tuple[str, int, int, int]:
   try:
-    with open(path) as f:
-      config = json.load(f)["config"]
+    config = rundir.read_config(run_dir)["config"]
     return config["optim"]["lr_rule"], int(config["batch_size"]), int(config["seed"]), int(config["sample_budget"])
   except (json.JSONDecodeError, KeyError, TypeError) as e:
-    raise ValueError(f"{path} is not a launch.train config.json (needs config.batch_size, config.seed, "
-                     f"config.sample_budget, config.optim.lr_rule): {e!r}. Remove the run or rewrite it.") from e
+    raise ValueError(f"{rundir.config_path(run_dir)} is not a launch.train config.json (needs config.batch_size, "
+                     f"config.seed, config.sample_budget, config.optim.lr_rule): {e!r}. Remove the run or rewrite "
+                     "it.") from e
 
 
 def _read_rows(path: str) -> tuple[list[dict], list[dict]]:
   """(training rows, evaluation rows) of a metrics.jsonl."""
   train, evals = [], []
-  with open(path) as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-        if "eval_accuracy" in row:
-          evals.append(dict(samples=float(row["samples"]), accuracy=float(row["eval_accuracy"])))
-        else:
-          train.append(dict(samples=float(row["samples"]), phases=[float(row[p]) for p in PHASES],
-                            cold=bool(row.get("cold", False))))
-      except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}:{line_no} is not a metrics row (training rows need samples, "
-                         f"{', '.join(PHASES)}; evaluation rows samples, eval_accuracy): {e!r}. "
-                         "Fix or delete that line.") from e
+  for line_no, row in rundir.iter_metrics(path):
+    try:
+      if "eval_accuracy" in row:
+        evals.append(dict(samples=float(row["samples"]), accuracy=float(row["eval_accuracy"])))
+      else:
+        train.append(dict(samples=float(row["samples"]), phases=[float(row[p]) for p in PHASES],
+                          cold=bool(row.get("cold", False))))
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"{path}:{line_no} is not a metrics row (training rows need samples, "
+                       f"{', '.join(PHASES)}; evaluation rows samples, eval_accuracy): {e!r}. "
+                       "Fix or delete that line.") from e
   return train, evals
 
 
@@ -90,11 +88,11 @@ def _increasing(values: np.ndarray, path: str, what: str) -> None:
 
 def read_run(run_dir: str, name: str) -> Run | str:
   """The run in `run_dir`, or the reason it is skipped."""
-  config_path, metrics_path = os.path.join(run_dir, "config.json"), os.path.join(run_dir, "metrics.jsonl")
-  missing = [os.path.basename(p) for p in (config_path, metrics_path) if not os.path.isfile(p)]
+  metrics_path = rundir.metrics_path(run_dir)
+  missing = [os.path.basename(p) for p in (rundir.config_path(run_dir), metrics_path) if not os.path.isfile(p)]
   if missing:
     return f"no {' or '.join(missing)}"
-  rule, batch, seed, budget = _read_config(config_path)
+  rule, batch, seed, budget = _read_config(run_dir)
   train, evals = _read_rows(metrics_path)
   if len(train) < 2:
     return f"{len(train)} training rows (needs 2: the first is excluded as compile time)"

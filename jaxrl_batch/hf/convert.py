@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxrl_batch import sharding
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.hf import config as hf_config
 from jaxrl_batch.hf import layout, safetensors_io
 from jaxrl_batch.model import ModelConfig, Transformer

@@ -15,8 +15,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxrl_batch import sharding
-from jaxrl_batch.checkpointing import Checkpointer
+from jaxrl_batch.runtime import sharding
+from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.hf.convert import from_pretrained, save_pretrained
 from jaxrl_batch.model import ModelConfig, Transformer
 

@@ -1,6 +1,6 @@
 """Decoder building blocks: RMSNorm, grouped-query attention (RoPE, optional QKV bias and QK-norm), SwiGLU MLP.
 
-Every parameter carries logical axis names (`out_sharding` metadata) that `jaxrl_batch.sharding` maps to mesh
+Every parameter carries logical axis names (`out_sharding` metadata) that `jaxrl_batch.runtime.sharding` maps to mesh
 axes. Names used: vocab, embed, heads, kv_heads, head_dim, mlp, norm.
 """
 import jax
@@ -9,7 +9,6 @@ from flax import nnx
 
 from jaxrl_batch.kernels import decode_attention
 from jaxrl_batch.model.linear import linear
-from jaxrl_batch.model.masks import DecodeSpan
 from jaxrl_batch.model.rope import apply_rope
 
 _NEG_INF = -1e30
@@ -40,33 +39,16 @@ class RMSNorm(nnx.Module):
 
 
 def attend(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS):
-  """Softmax attention with grouped KV heads over keys and values in the cache layout (`KVCache`); scores and
-  softmax in float32. Returns (B, T, N, H)."""
+  """Softmax attention with grouped KV heads over keys and values in the cache layout (`KVCache`), under a dense
+  bool mask; scores and softmax in float32. Returns (B, T, N, H)."""
   b, t, n, h = q_BxTxNxH.shape
   kv = k_BxKxHxS.shape[1]
-  if t == 1:
-    return _attend_one_query(q_BxTxNxH[:, 0], k_BxKxHxS, v_BxKxSxH, mask_BxTxS[:, 0])[:, None]
   q_BxKxGxTxH = jnp.moveaxis(q_BxTxNxH.reshape(b, t, kv, n // kv, h), 1, 3)
   scores = jnp.einsum("bkgth,bkhs->bkgts", q_BxKxGxTxH, k_BxKxHxS, preferred_element_type=jnp.float32)
   scores = jnp.where(mask_BxTxS[:, None, None], scores * h**-0.5, _NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
   out = jnp.einsum("bkgts,bksh->btkgh", probs, v_BxKxSxH)
   return out.reshape(b, t, n, h)
-
-
-def _attend_one_query(q_BxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxS):
-  """`attend` for one query per row (a decode step), as broadcast products and sums over the rows of the cache
-  blocks, in float32: XLA fuses each into one vectorised pass over the cache. Its CPU batched dots with M = G query
-  rows per kv head ran 1.2-2x slower on a 2-core EPYC and as fast on a 2-core Xeon (B = 64, S = 96-512, measured).
-  Returns (B, N, H)."""
-  b, n, h = q_BxNxH.shape
-  kv = k_BxKxHxS.shape[1]
-  q_BxKxGxHx1 = q_BxNxH.astype(jnp.float32).reshape(b, kv, n // kv, h, 1) * h**-0.5
-  scores_BxKxGxS = jnp.sum(q_BxKxGxHx1 * k_BxKxHxS[:, :, None].astype(jnp.float32), axis=3)
-  scores_BxKxGxS = jnp.where(mask_BxS[:, None, None], scores_BxKxGxS, _NEG_INF)
-  probs_BxKxGxSx1 = jax.nn.softmax(scores_BxKxGxS, axis=-1)[..., None]
-  out_BxKxGxH = jnp.sum(probs_BxKxGxSx1 * v_BxKxSxH[:, :, None].astype(jnp.float32), axis=3)
-  return out_BxKxGxH.reshape(b, n, h).astype(q_BxNxH.dtype)
 
 
 class Attention(nnx.Module):
@@ -92,10 +74,18 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, cfg.norm_eps, dt, rngs)
       self.k_norm = RMSNorm(h, cfg.norm_eps, dt, rngs)
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None):
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None,
+               decode_backend: str | None = None):
     """Without a cache S == T. With a `KVCache`, the T new keys/values are written in place into layer `layer` at
-    slots cache_index..cache_index+T-1 and the queries attend over all S slots. A `DecodeSpan` mask (T == 1, with
-    a cache) runs the Pallas decode kernel over the layer's cache in place. Returns (y_BxTxD, cache)."""
+    slots cache_index..cache_index+T-1 and the queries attend over its S slots.
+
+    `decode_backend` None: `mask_BxTxS` is a dense bool mask, read by `attend`. "xla" or "pallas" (static): a
+    cached one-token step (T == 1) whose `mask_BxTxS` is a `masks.DecodeSpan`, read by that backend of
+    `kernels.decode_attention` over the layer's cache in place. Returns (y_BxTxD, cache).
+    """
+    if decode_backend is not None and (cache is None or x_BxTxD.shape[1] != 1):
+      raise ValueError(f"decode_backend={decode_backend!r} is for a cached one-token step, got T = "
+                       f"{x_BxTxD.shape[1]}{'' if cache is not None else ' and no cache'}.")
     dt = self.cfg.compute_dtype
     q, k, v = (linear(x_BxTxD, w[...].astype(dt)) for w in (self.wq, self.wk, self.wv))
     if self.cfg.qkv_bias:
@@ -109,11 +99,11 @@ class Attention(nnx.Module):
       k_BxKxHxS, v_BxKxSxH = cache.k_layers[layer], cache.v_layers[layer]
     else:
       k_BxKxHxS, v_BxKxSxH = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
-    if isinstance(mask_BxTxS, DecodeSpan):
-      out_BxTxNxH = decode_attention(q[:, 0], k_BxKxHxS, v_BxKxSxH, mask_BxTxS.ends_B, mask_BxTxS.starts_B,
-                                     backend="pallas")[:, None]
-    else:
+    if decode_backend is None:
       out_BxTxNxH = attend(q, k_BxKxHxS.astype(dt), v_BxKxSxH.astype(dt), mask_BxTxS)
+    else:
+      out_BxTxNxH = decode_attention(q[:, 0], k_BxKxHxS, v_BxKxSxH, mask_BxTxS.ends_B, mask_BxTxS.starts_B,
+                                     backend=decode_backend)[:, None]
     return linear(out_BxTxNxH, self.wo[...].astype(dt), contract=2), cache
 
 

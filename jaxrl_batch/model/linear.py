@@ -2,7 +2,6 @@
 import math
 
 import jax
-import jax.numpy as jnp
 
 # Slabs of the contraction a one-row product is split into on CPU (see `linear`).
 SPLIT_K = 4

@@ -29,17 +29,12 @@ def cache_mask(kv_valid_BxS: jax.Array, cache_index: jax.Array, num_queries: int
 
 
 class DecodeSpan(NamedTuple):
-  """The mask of a one-token cached step in the form the decode kernel takes: ragged spans, not a dense mask.
+  """The keys of a one-token cached step, as ragged spans rather than a dense mask.
 
   Row b's query attends cache slots starts_B[b] <= s < ends_B[b]: from a left-padded prompt's first real token to
-  the query's own slot. Passed as the mask of a one-token step, attention runs the Pallas decode kernel
-  (`jaxrl_batch.kernels.decode_attention`) over the cache in place; `dense` is the equivalent bool mask.
+  the query's own slot. Handed to the model as the mask of a step with a `decode_backend`, which reads it
+  (`jaxrl_batch.kernels.decode_attention`, starts and lengths = ends).
   """
 
   starts_B: jax.Array
   ends_B: jax.Array
-
-  def dense(self, length: int) -> jax.Array:
-    """(B, 1, S) bool mask over a cache of `length` slots."""
-    slot_1xS = jnp.arange(length)[None, :]
-    return ((slot_1xS >= self.starts_B[:, None]) & (slot_1xS < self.ends_B[:, None]))[:, None, :]

@@ -17,8 +17,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.weight_dtype, rngs)
     self.mlp = SwiGLU(cfg, rngs)
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None):
-    h, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache, layer, cache_index)
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None, decode_backend=None):
+    h, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache, layer, cache_index,
+                         decode_backend)
     x_BxTxD = x_BxTxD + h
     return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
 
@@ -37,26 +38,31 @@ class Transformer(nnx.Module):
       self.lm_head = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.d_model, cfg.vocab_size),
                                    ("embed", "vocab"), dt)
 
-  def hidden(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None):
+  def hidden(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None,
+             decode_backend: str | None = None):
     """Final-normed hidden states (B, T, D) in the compute dtype, and the updated cache; args as `__call__`."""
     x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
     for layer, block in enumerate(self.blocks):
-      x, cache = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index)
+      x, cache = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index, decode_backend)
     return self.final_norm(x), cache
 
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None):
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None,
+               decode_backend: str | None = None):
     """Logits for every position.
 
     Args:
       tokens_BxT: int token ids.
       positions_BxT: RoPE positions (see `masks.positions_from_valid`).
-      mask_BxTxS: bool, query t may attend key s (`masks.causal_mask` without a cache, `masks.cache_mask` with).
+      mask_BxTxS: bool, query t may attend key s (`masks.causal_mask` without a cache, `masks.cache_mask` with);
+        for a decode step (`decode_backend` set) the `masks.DecodeSpan` of the cache slots attended.
       cache: optional KV cache; the new keys/values are written at slots cache_index..cache_index+T-1.
       cache_index: int scalar, first cache slot written.
+      decode_backend: None, or for a cached one-token step (T == 1) the static `kernels.decode_attention` backend
+        ("xla" or "pallas") that reads the span.
     Returns:
       (logits_BxTxV float32, updated cache or None).
     """
-    x, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index)
+    x, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index, decode_backend)
     return self.logits(x), cache
 
   def logits(self, hidden_BxTxD):

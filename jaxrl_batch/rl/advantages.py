@@ -24,17 +24,24 @@ def _grouped(rewards_B: jax.Array, group_size: int) -> jax.Array:
   return jnp.asarray(rewards_B, jnp.float32).reshape(-1, group_size)
 
 
+def _all_equal_G(rewards_GxK: jax.Array) -> jax.Array:
+  """bool_G: the group's rewards are all exactly equal (zero spread)."""
+  return rewards_GxK.max(axis=1) == rewards_GxK.min(axis=1)
+
+
 def group_advantages(rewards_B: jax.Array, group_size: int, normalize_std: bool = True,
                      eps: float = 1e-6) -> jax.Array:
   """GRPO: A_i = r_i - mean(group), divided by (std(group) + eps) if `normalize_std` (Dr.GRPO: no std).
 
-  The std is the population std (ddof=0). A group whose rewards are all equal gets advantage 0.
+  The std is the population std (ddof=0). A group whose rewards are all exactly equal (`zero_std_groups`) gets
+  advantage exactly 0.
   """
   rewards_GxK = _grouped(rewards_B, group_size)
   adv_GxK = rewards_GxK - rewards_GxK.mean(axis=1, keepdims=True)
   if normalize_std:
     adv_GxK = adv_GxK / (rewards_GxK.std(axis=1, keepdims=True) + eps)
-  return adv_GxK.reshape(-1)
+  # The float32 mean of equal rewards can miss them by an ulp (0.9 x 7), and the std would scale that up to ~0.1.
+  return jnp.where(_all_equal_G(rewards_GxK)[:, None], 0.0, adv_GxK).reshape(-1)
 
 
 def rloo_advantages(rewards_B: jax.Array, group_size: int) -> jax.Array:
@@ -49,9 +56,8 @@ def zero_std_group_frac(rewards_B: jax.Array, group_size: int) -> jax.Array:
 
 
 def zero_std_groups(rewards_B: jax.Array, group_size: int) -> jax.Array:
-  """bool_G: the group's rewards are all exactly equal."""
-  rewards_GxK = _grouped(rewards_B, group_size)
-  return rewards_GxK.max(axis=1) == rewards_GxK.min(axis=1)
+  """bool_G: the group's rewards are all exactly equal (the groups `group_advantages` gives advantage 0)."""
+  return _all_equal_G(_grouped(rewards_B, group_size))
 
 
 def whiten(x_BxT: jax.Array, mask_BxT: jax.Array, eps: float = 1e-8) -> jax.Array:

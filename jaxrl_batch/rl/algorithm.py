@@ -62,8 +62,9 @@ class AlgoConfig:
     return self.epochs * self.mini_batches
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> "AlgoConfig":
-    """Reads config.algo, config.rl, config.critic and the sampling temperature; refuses bad combinations."""
+  def from_config(cls, config: ml_collections.ConfigDict, group_size: int | None = None) -> "AlgoConfig":
+    """Reads config.algo, config.rl, config.critic and the sampling temperature; refuses bad combinations.
+    `group_size`: samples per prompt of the member (`family.Member.group_size`; default `config.group_size`)."""
     rl, critic = config.rl, config.critic
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(rl.keys()) - fields)
@@ -72,7 +73,7 @@ class AlgoConfig:
     out = cls(algo=config.algo, temperature=config.sampling.temperature or 1.0, critic=config.algo == "ppo",
               share_backbone=critic.share_backbone, critic_layers=critic.num_layers, vf_clip=critic.vf_clip,
               vf_coef=critic.vf_coef, critic_warmup_steps=critic.warmup_steps, **dict(rl))
-    out.check(config.group_size)
+    out.check(config.group_size if group_size is None else group_size)
     return out
 
   def check(self, group_size: int) -> None:
@@ -101,7 +102,7 @@ class AlgoConfig:
          f"rl.dual_clip={self.dual_clip}: the dual-clip constant must be > 1 (3 is usual), or 0 to disable.")
     need(self.ratio_level in ("token", "sequence"), f"rl.ratio_level={self.ratio_level!r}: token | sequence.")
     need(self.loss_agg in AGGREGATIONS, f"rl.loss_agg={self.loss_agg!r}: use one of {AGGREGATIONS}.")
-    need(self.loss_agg_constant >= 0, "rl.loss_agg_constant must be >= 0 (0 = the response length).")
+    need(self.loss_agg_constant >= 0, "rl.loss_agg_constant must be >= 0 (0 = the response budget in tokens).")
     need(self.kl_coef >= 0, f"rl.kl_coef={self.kl_coef} must be >= 0.")
     need(self.kl_estimator in KL_ESTIMATORS, f"rl.kl_estimator={self.kl_estimator!r}: use one of {KL_ESTIMATORS}.")
     need(self.kl_in in ("loss", "reward"), f"rl.kl_in={self.kl_in!r}: loss | reward.")

@@ -2,10 +2,9 @@
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from jaxrl_batch.model import sequence_logits
-from jaxrl_batch.rl.losses import token_logprobs
+# Sequence log-probs live with the model; kept importable from here.
+from jaxrl_batch.model.logprobs import sequence_logprobs, shifted_logprobs  # noqa: F401
 
 
 class TrainBatch(NamedTuple):
@@ -35,20 +34,6 @@ class TrainBatch(NamedTuple):
   adv_BxT: jax.Array
   returns_BxT: jax.Array
   old_values_BxT: jax.Array
-
-
-def sequence_logprobs(graphdef, params, tokens_BxT, valid_BxT, temperature: float = 1.0):
-  """(logp_BxT, logits_BxTxV): log-prob of each token given its prefix, under softmax(logits / temperature).
-
-  logp_BxT[:, 0] is 0 (the first token has no prefix); logits_BxTxV[:, t] predicts token t + 1.
-  """
-  logits_BxTxV = sequence_logits(graphdef, params, tokens_BxT, valid_BxT) / temperature
-  return shifted_logprobs(logits_BxTxV, tokens_BxT), logits_BxTxV
-
-
-def shifted_logprobs(logits_BxTxV, tokens_BxT):
-  """logp_BxT aligned with the tokens: entry t = log p(token t | logits at t - 1); entry 0 is 0."""
-  return jnp.pad(token_logprobs(logits_BxTxV[:, :-1], tokens_BxT[:, 1:]), ((0, 0), (1, 0)))
 
 
 def split_micro_batches(tree, num_micro: int):

@@ -13,29 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_batch import sharding
-from jaxrl_batch.model import ModelConfig, Transformer, causal_mask, positions_from_valid
-from jaxrl_batch.model.layers import sharded_param
-
-
-class ValueHead(nnx.Module):
-  """v = h . w + b per position, in float32."""
-
-  def __init__(self, d_model: int, param_dtype, rngs: nnx.Rngs):
-    self.w = sharded_param(rngs, nnx.initializers.zeros, (d_model,), ("embed",), param_dtype)
-    self.b = sharded_param(rngs, nnx.initializers.zeros, (), (), param_dtype)
-
-  def __call__(self, h_BxTxD):
-    return jnp.einsum("btd,d->bt", h_BxTxD, self.w[...].astype(h_BxTxD.dtype),
-                      preferred_element_type=jnp.float32) + self.b[...].astype(jnp.float32)
-
-
-class ValueModel(nnx.Module):
-  """A separate critic: decoder backbone + `ValueHead`."""
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.backbone = Transformer(cfg, rngs)
-    self.head = ValueHead(cfg.d_model, cfg.weight_dtype, rngs)
+from jaxrl_batch.runtime import sharding
+from jaxrl_batch.model import ModelConfig, causal_mask, positions_from_valid
+from jaxrl_batch.model.value_head import ValueHead, ValueModel
 
 
 def critic_model_config(policy_cfg: ModelConfig, num_layers: int) -> ModelConfig:

@@ -1,36 +1,22 @@
 """From scored rollouts to updated parameters: the training batch, advantages, then epochs x mini-batches of updates.
 
-Used by the trainer once per rollout step; holds no data position or randomness of its own beyond (seed, step).
+Used by the trainer once per rollout step. Everything runs on the device: the batch is assembled from the rollouts
+where they were sampled, and mini-batches are on-device gathers (by row orders drawn on the host from
+`streams.shuffle_rng(seed, step)` and uploaded with the rewards) that keep the batch sharding; the step's metrics
+stay on the device for the caller to fetch once.
 """
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_batch.distributed import to_host
+from jaxrl_batch.runtime import sharding, streams
 from jaxrl_batch.rl import advantages as adv_lib
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs
 from jaxrl_batch.rl.update import Models, score, update
-
-
-@dataclasses.dataclass(frozen=True)
-class Rollouts:
-  """A step's scored rollouts on the host (numpy), B = rows trained this step.
-
-  prompt_BxP / prompt_valid_BxP: left-padded prompts; tokens_BxN, logprobs_BxN, mask_BxN: the sampler's output;
-  rewards_B: task rewards after any overlong penalty; trained_B: rows whose tokens enter the loss.
-  """
-  prompt_BxP: np.ndarray
-  prompt_valid_BxP: np.ndarray
-  tokens_BxN: np.ndarray
-  logprobs_BxN: np.ndarray
-  mask_BxN: np.ndarray
-  rewards_B: np.ndarray
-  trained_B: np.ndarray
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
@@ -68,58 +54,80 @@ def _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_Bx
   return batch, stats
 
 
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _from_rollouts(rollouts, *, mesh):
+  """(tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, rewards_B) of a `train.collector.Rollouts`, with
+  T = prompt + response tokens."""
+  r = rollouts
+  tokens_BxT = jnp.concatenate([r.prompt_BxP, r.tokens_BxN], axis=1)
+  valid_BxT = jnp.concatenate([r.prompt_valid_BxP.astype(bool), r.mask_BxN.astype(bool)], axis=1)
+  loss_mask_BxT = jnp.concatenate([jnp.zeros(r.prompt_BxP.shape, bool), r.mask_BxN & r.trained_B[:, None]], axis=1)
+  sampler_logp_BxT = jnp.concatenate([jnp.zeros(r.prompt_BxP.shape, jnp.float32), r.logprobs_BxN], axis=1)
+  sampler_logp_BxT = jnp.where(loss_mask_BxT, sampler_logp_BxT, 0.0).astype(jnp.float32)
+  out = (tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, r.rewards_B.astype(jnp.float32))
+  return tuple(jax.lax.with_sharding_constraint(x, sharding.batch_sharding(mesh, x.ndim)) for x in out)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _take_rows(batch: TrainBatch, rows_S, *, mesh) -> TrainBatch:
+  """The mini-batch of rows `rows_S`, batch-sharded like `batch`."""
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(jnp.take(x, rows_S, axis=0),
+                                                                 sharding.batch_sharding(mesh, x.ndim)), batch)
+
+
+@jax.jit
+def _mean_over_updates(history: list[dict]) -> dict:
+  """Each metric's mean over the step's updates; `logp_gap` from the first (before any update of this step)."""
+  out = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[0]}
+  if "logp_gap" in out:
+    out["logp_gap"] = history[0]["logp_gap"]
+  return out
+
+
 class Learner:
-  """Turns `Rollouts` into a `TrainBatch` and applies cfg.epochs x cfg.mini_batches updates to it."""
+  """Turns rollouts into a `TrainBatch` and applies cfg.epochs x cfg.mini_batches updates to it."""
 
-  def __init__(self, cfg: AlgoConfig, models: Models, *, group_size: int, micro_batch_size: int, seed: int,
-               shard_batch):
-    self.cfg, self.models = cfg, models
-    self.group_size, self.micro_batch_size, self.seed = group_size, micro_batch_size, seed
-    self.shard_batch = shard_batch
+  def __init__(self, cfg: AlgoConfig, models: Models, *, group_size: int, mini_batch_size: int, num_micro: int,
+               seed: int, mesh):
+    self.cfg, self.models, self.mesh = cfg, models, mesh
+    self.group_size, self.mini_batch_size, self.num_micro, self.seed = group_size, mini_batch_size, num_micro, seed
 
-  def prepare(self, state: dict, rollouts: Rollouts, ref_params, kl_coef: float) -> tuple[TrainBatch, dict]:
-    """The training batch (sharded) and per-step statistics (returns_mean, vf_explained_var, old-logp gap)."""
-    cfg, r = self.cfg, rollouts
-    tokens_BxT = np.concatenate([r.prompt_BxP, r.tokens_BxN], axis=1)
-    valid_BxT = np.concatenate([r.prompt_valid_BxP.astype(bool), r.mask_BxN.astype(bool)], axis=1)
-    loss_mask_BxT = np.concatenate([np.zeros(r.prompt_BxP.shape, bool), r.mask_BxN & r.trained_B[:, None]], axis=1)
-    sampler_logp_BxT = np.concatenate([np.zeros(r.prompt_BxP.shape, np.float32), r.logprobs_BxN], axis=1)
-    sampler_logp_BxT = np.where(loss_mask_BxT, sampler_logp_BxT, 0.0).astype(np.float32)
-    tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B = self.shard_batch(
-        (tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, r.rewards_B.astype(np.float32)))
+  def orders(self, step: int, batch_size: int) -> list[np.ndarray]:
+    """Host row orders of the step's mini-batches (epochs x mini_batches int32 arrays; none for one mini-batch)."""
+    if self.cfg.mini_batches == 1:
+      return []
+    rng, size = streams.shuffle_rng(self.seed, step), self.mini_batch_size
+    orders = []
+    for _ in range(self.cfg.epochs):
+      order = rng.permutation(batch_size).astype(np.int32)
+      orders += [order[i * size:(i + 1) * size] for i in range(self.cfg.mini_batches)]
+    return orders
+
+  def prepare(self, state: dict, rollouts, ref_params, kl_coef) -> tuple[TrainBatch, dict]:
+    """The training batch (sharded) and per-step statistics on the device (returns_mean, vf_explained_var, old-logp
+    gap). `rollouts`: a `train.collector.Rollouts`; kl_coef: float32 device scalar."""
+    cfg = self.cfg
+    tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B = _from_rollouts(rollouts, mesh=self.mesh)
     trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), tokens_BxT, valid_BxT, mask_BxT,
                                          models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer")
     ref_logp_BxT = None
     if cfg.use_kl:
       ref_logp_BxT = reference_logprobs(ref_params, tokens_BxT, valid_BxT, mask_BxT, graphdef=self.models.graphdef,
                                          temperature=cfg.temperature)
-    batch, stats = _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT,
-                             values_BxT, rewards_B, jnp.float32(kl_coef), cfg=cfg, group_size=self.group_size)
-    return batch, {k: float(v) for k, v in to_host(stats).items()}
+    return _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT, values_BxT,
+                     rewards_B, kl_coef, cfg=cfg, group_size=self.group_size)
 
-  def train(self, state: dict, batch: TrainBatch, step: int, kl_coef: float) -> tuple[dict, dict]:
-    """cfg.epochs passes over `batch`, each in cfg.mini_batches shuffled mini-batches (one update each); the actor
-    is frozen during the first critic.warmup_steps steps. Returns (state, metrics averaged over the updates)."""
+  def train(self, state: dict, batch: TrainBatch, orders: list[jax.Array], step: int, kl_coef
+            ) -> tuple[dict, dict]:
+    """cfg.epochs passes over `batch`, each in cfg.mini_batches mini-batches (rows `orders`, from `orders()`, one
+    update each); the actor is frozen during the first critic.warmup_steps steps. Returns (state, device metrics
+    averaged over the updates)."""
     cfg = self.cfg
-    b = batch.tokens_BxT.shape[0]
-    size = b // cfg.mini_batches
-    num_micro = max(size // (self.micro_batch_size or size), 1)
     train_actor = step >= cfg.critic_warmup_steps
-    rng = np.random.default_rng([self.seed, step, 1])
-    host = to_host(batch) if cfg.mini_batches > 1 else None
+    minis = [_take_rows(batch, rows, mesh=self.mesh) for rows in orders] if orders else [batch] * cfg.epochs
     history = []
-    for _ in range(cfg.epochs):
-      order = rng.permutation(b) if cfg.mini_batches > 1 else None
-      for i in range(cfg.mini_batches):
-        mini = batch if order is None else self.shard_batch(
-            jax.tree.map(lambda x: x[order[i * size:(i + 1) * size]], host))
-        state, metrics = update(state, mini, jnp.float32(kl_coef), models=self.models, cfg=cfg, num_micro=num_micro,
-                                train_actor=train_actor)
-        history.append(metrics)
-    history = to_host(history)
-    mean = {k: float(np.mean([m[k] for m in history])) for k in history[0]}
-    mean["updates"] = len(history)
-    if train_actor:
-      mean["clip_frac"] = mean["clip_frac_low"] + mean["clip_frac_high"]
-      mean["logp_gap"] = float(history[0]["logp_gap"])  # Before any update of this step: sampler vs trainer only.
-    return state, mean
+    for mini in minis:
+      state, metrics = update(state, mini, kl_coef, models=self.models, cfg=cfg, num_micro=self.num_micro,
+                              train_actor=train_actor)
+      history.append(metrics)
+    return state, _mean_over_updates(history)

@@ -7,15 +7,11 @@ the mini-batch value, whatever the micro-batch size or device count.
 import jax
 import jax.numpy as jnp
 
+# Token log-probs live with the model; kept importable from here.
+from jaxrl_batch.model.logprobs import token_logprobs  # noqa: F401
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def token_logprobs(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-  """log p(target) per token, float32, computed as logit[target] - logsumexp(logits). Returns logp_BxT."""
-  logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-  target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-  return target_logit_BxT - jax.nn.logsumexp(logits_BxTxV, axis=-1)
 
 
 def entropy_from_logits(logits_BxTxV: jax.Array) -> jax.Array:

@@ -25,13 +25,11 @@ class NoiseScale:
   decay: float = 0.95
   grad_sq: float = 0.0
   trace: float = 0.0
-  count: int = 0
 
   def update(self, small_sq: float, big_sq: float, small: int, big: int) -> float:
     """Folds in one step's norms; returns the current B_simple estimate (rollouts), or nan while |G|^2 <= 0."""
     grad_sq, trace = unbiased_estimates(small_sq, big_sq, small, big)
     self.grad_sq = self.decay * self.grad_sq + (1 - self.decay) * grad_sq
     self.trace = self.decay * self.trace + (1 - self.decay) * trace
-    self.count += 1
     # The bias corrections of the two EMAs are equal and cancel in the ratio.
     return self.trace / self.grad_sq if self.grad_sq > 0 else float("nan")

@@ -100,8 +100,10 @@ def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: Algo
   `num_micro`. Returns (state, metrics dict of scalars); `micro_grad_sq` is the mean squared norm of the micro-batch
   mean actor gradients (for the gradient noise scale).
   """
-  constant = cfg.loss_agg_constant or batch.tokens_BxT.shape[1]
-  weights = Weights(losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg, constant),
+  if cfg.loss_agg == "constant" and cfg.loss_agg_constant <= 0:
+    raise ValueError("loss_agg='constant' needs cfg.loss_agg_constant > 0; `train.setup` sets its default, the "
+                     "response budget in tokens.")
+  weights = Weights(losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg, cfg.loss_agg_constant),
                     losses.token_weights(batch.loss_mask_BxT, "token_mean"))
   trainable = (state["params"], state.get("critic"))
   grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)

@@ -1,4 +1,4 @@
-"""KV-cache generation with greedy / temperature / top-k / top-p sampling."""
+"""KV-cache generation with greedy / temperature / top-k / top-p sampling; `benchmark` and `roofline` measure it."""
 from jaxrl_batch.sampling.generate import Rollout, generate
 from jaxrl_batch.sampling.strategies import SamplingParams
 

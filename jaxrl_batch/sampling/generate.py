@@ -2,14 +2,14 @@
 generated, not the token budget.
 
 Prompts are left-padded (right-aligned), so every row writes its next token at the same cache slot, and row b's
-live slots are one span: [P - prompt_len_b, the slot of the token fed] (`masks.DecodeSpan`).
-
-Attention backends (`SamplingParams.attention_backend`):
-  xla: dense attention reads every slot of the cache it is given, so the cache grows through buckets: the decode
-    is a chain of `lax.while_loop` segments, one per cache size (the smallest power of two above P, doubling, then
-    P + N - 1 to end). A step at live length 40 reads a 64-slot cache whatever the budget N. Between segments the
-    cache is copied, zero-padded, into the next size; once every row has stopped, a `lax.cond` skips the remaining
-    segments, copies included. The buckets are static, so this is still one program with no host round-trip.
+live slots are one span: [P - prompt_len_b, the slot of the token fed] (`masks.DecodeSpan`). Each decode step hands
+the model that span and `SamplingParams.backend` as its static `decode_backend` (`kernels.decode_attention`):
+  xla: reads every slot of the cache it is given, masking those outside the span, so the cache grows through
+    buckets: the decode is a chain of `lax.while_loop` segments, one per cache size (the smallest power of two above
+    P, doubling, then P + N - 1 to end). A step at live length 40 reads a 64-slot cache whatever the budget N.
+    Between segments the cache is copied, zero-padded, into the next size; once every row has stopped, a `lax.cond`
+    skips the remaining segments, copies included. The buckets are static, so this is still one program with no
+    host round-trip.
   pallas: the decode kernel reads only each row's live blocks of the cache, in place, so one segment runs
     over the full P + N - 1 slots. Interpret mode on CPU: for tests at tiny shapes only.
 
@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_batch.model import KVCache, cache_mask, positions_from_valid
-from jaxrl_batch.model.masks import DecodeSpan
+from jaxrl_batch.model import DecodeSpan, KVCache, cache_mask, positions_from_valid
 from jaxrl_batch.sampling.strategies import SamplingParams, choose
 
 
@@ -116,11 +115,11 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
       logprobs_BxN=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp_B),
       rng=rng)
 
-  def body(c: _Carry, size: int):
+  def body(c: _Carry):
     slot = p + c.step - 1  # cache slot of the previous token, fed now
     span = DecodeSpan(starts_B, jnp.full((b,), slot + 1))
-    mask = span if backend == "pallas" else span.dense(size)
-    logits_Bx1xV, cache = model(c.token_B[:, None], c.position_B[:, None], mask, c.cache, slot)
+    logits_Bx1xV, cache = model(c.token_B[:, None], c.position_B[:, None], span, c.cache, slot,
+                                decode_backend=backend)
     rng, step_rng = jax.random.split(c.rng)
     token_B, logp_B = choose(logits_Bx1xV[:, 0], step_rng, sampling)
     token_B = jnp.where(c.done_B, pad_id, token_B)
@@ -142,7 +141,7 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
     """Segment i (steps whose slot fits buckets[i]), then, unless every row has stopped, the later segments."""
     size = buckets[i]
     end = min(n, size - p + 1)
-    c = jax.lax.while_loop(lambda c: (c.step < end) & ~jnp.all(c.done_B), functools.partial(body, size=size), c)
+    c = jax.lax.while_loop(lambda c: (c.step < end) & ~jnp.all(c.done_B), body, c)
     if i + 1 == len(buckets):
       return result(c)
     return jax.lax.cond(jnp.all(c.done_B), result,

@@ -20,9 +20,10 @@ class SamplingParams:
     temperature: softmax temperature; 0 means greedy (argmax).
     top_k: keep only the k most likely tokens (0 = off).
     top_p: nucleus sampling, keep the smallest set with probability >= top_p (1.0 = off).
-    attention_backend: decode-step attention: "xla" (dense over a cache grown in power-of-two buckets), "pallas"
-      (the ragged decode kernel over the full cache; interpret mode on CPU, for tests only) or "auto"
-      (`kernels.default_backend()`: pallas on GPU/TPU, else xla). Tokens do not depend on it beyond rounding.
+    attention_backend: the `kernels.decode_attention` backend of a decode step: "xla" (every slot of a cache
+      grown in power-of-two buckets, masked to the live span), "pallas" (the kernel, reading only the live span of
+      the full cache; interpret mode on CPU, for tests only) or "auto" (`kernels.default_backend()`: pallas on
+      GPU/TPU, else xla). Tokens do not depend on it beyond rounding.
   """
 
   temperature: float = 1.0

@@ -22,7 +22,8 @@ import os
 import ml_collections
 import numpy as np
 
-from jaxrl_batch import tokenizer as tokenizer_lib
+from jaxrl_batch.text import spm_tokenizer
+from jaxrl_batch.text import tokenizer as tokenizer_lib
 from jaxrl_batch.tasks.base import Problem
 
 TOKENIZER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "arith.model")
@@ -85,7 +86,7 @@ def tokenizer_corpus() -> list[str]:
 
 def write_tokenizer(path: str = TOKENIZER_PATH) -> tokenizer_lib.Tokenizer:
   """Trains the character-level tokenizer on `tokenizer_corpus()` and writes it to `path`."""
-  return tokenizer_lib.train_sentencepiece(
+  return spm_tokenizer.train_sentencepiece(
       tokenizer_corpus(), path, vocab_size=32, model_type="char", hard_vocab_limit=False, character_coverage=1.0,
       byte_fallback=False, add_dummy_prefix=False, normalization_rule_name="identity", remove_extra_whitespaces=False)
 

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxrl_batch.tokenizer import Tokenizer
+from jaxrl_batch.text.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ import numpy as np
 from jaxrl_batch.tasks import expr_parser
 from jaxrl_batch.tasks.base import Problem
 from jaxrl_batch.tasks.jsonl_task import JsonlTask, check_template, config_fields, data_config
-from jaxrl_batch.tokenizer import Tokenizer
+from jaxrl_batch.text.tokenizer import Tokenizer
 
 MAX_SOLVE_NUMBERS = 5  # Most numbers `solve` searches exhaustively (< 1 s worst case; 6 numbers take ~15 s).
 

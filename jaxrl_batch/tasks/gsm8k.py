@@ -20,7 +20,7 @@ import numpy as np
 from jaxrl_batch.tasks import answers
 from jaxrl_batch.tasks.base import Problem
 from jaxrl_batch.tasks.jsonl_task import JsonlTask, SolvedProblem, check_template, config_fields, data_config
-from jaxrl_batch.tokenizer import Tokenizer
+from jaxrl_batch.text.tokenizer import Tokenizer
 
 EXTRACTIONS = ("strict", "flexible")
 _ANNOTATION_RE = re.compile(r"<<[^<>]*>>")

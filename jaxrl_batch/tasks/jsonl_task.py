@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_batch.tasks.base import Problem
-from jaxrl_batch.tokenizer import Tokenizer
+from jaxrl_batch.text.tokenizer import Tokenizer
 
 SAMPLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "samples")
 

@@ -7,7 +7,7 @@ import glob
 import json
 import os
 
-from jaxrl_batch.tokenizer import train_sentencepiece
+from jaxrl_batch.text.spm_tokenizer import train_sentencepiece
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 PATH = os.path.join(ASSETS, "samples_bpe.model")

@@ -1,4 +1,5 @@
-"""What every job shares: the validated config, mesh, tokenizer, task, model definition and token layout.
+"""What every job shares: the config and its derived `family.Member`, mesh, tokenizer, task, model definition and
+token layout.
 
 Sequence layout used by sampling, SFT and RL alike: `[BOS prompt]` left-padded to `prompt_len` tokens, followed
 by the response right-padded to `response_len` tokens (EOS included).
@@ -13,37 +14,14 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from jaxrl_batch import chat_template as chat_template_lib
-from jaxrl_batch import sharding, tasks
-from jaxrl_batch import tokenizer as tokenizer_lib
+from jaxrl_batch.text import chat_template as chat_template_lib
+from jaxrl_batch import tasks
+from jaxrl_batch.runtime import sharding
+from jaxrl_batch.text import tokenizer as tokenizer_lib
+from jaxrl_batch.text.loading import load_tokenizer
 from jaxrl_batch.model import ModelConfig, Transformer
-from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.config import family
 from jaxrl_batch.sampling import SamplingParams
-
-
-def validate(config: ml_collections.ConfigDict, data_parallel: int) -> None:
-  """Refuses batch and algorithm settings that cannot run, naming the field and the fix."""
-  algo = AlgoConfig.from_config(config)
-  b, g = config.batch_size, config.group_size
-  if g < 1:
-    raise ValueError(f"group_size={g}: sample at least one response per prompt.")
-  if b <= 0 or b % g:
-    raise ValueError(f"batch_size={b} must be a positive multiple of group_size={g} (batch = prompts x group "
-                     f"size); e.g. batch_size={max(g, b - b % g)}.")
-  if b % algo.mini_batches:
-    raise ValueError(f"batch_size={b} must be divisible by rl.mini_batches={algo.mini_batches}.")
-  mini = b // algo.mini_batches
-  if mini % data_parallel:
-    raise ValueError(f"The mini-batch (batch_size / rl.mini_batches = {mini}) must be divisible by the "
-                     f"data-parallel device count {data_parallel} (mesh.data x mesh.fsdp); change batch_size, "
-                     "rl.mini_batches or config.mesh.")
-  micro = config.micro_batch_size or mini
-  if mini % micro or micro % data_parallel:
-    raise ValueError(f"micro_batch_size={config.micro_batch_size} must divide the mini-batch (batch_size / "
-                     f"rl.mini_batches = {mini}) and be divisible by the data-parallel device count {data_parallel};"
-                     " 0 uses the whole mini-batch.")
-  if config.sample_budget < b:
-    raise ValueError(f"sample_budget={config.sample_budget} is smaller than one batch ({b} rollouts).")
 
 
 def check_pretrained_shape(hf_dir: str, model_cfg: ModelConfig) -> None:
@@ -66,6 +44,7 @@ class Experiment:
   """Resolved pieces of one run; build with `Experiment.create(config)`."""
 
   config: ml_collections.ConfigDict
+  member: family.Member
   mesh: jax.sharding.Mesh
   tokenizer: tokenizer_lib.Tokenizer
   task: tasks.Task
@@ -87,21 +66,23 @@ class Experiment:
   @classmethod
   def create(cls, config: ml_collections.ConfigDict, devices=None) -> "Experiment":
     mesh = sharding.make_mesh(**config.mesh, devices=devices)
-    validate(config, sharding.data_parallel_size(mesh))
+    member = family.member(config, sharding.data_parallel_size(mesh))
     task_cfg = {k: v for k, v in config.task.items() if k != "name"}
     task = tasks.make_task(config.task.name, ml_collections.ConfigDict(task_cfg))
     init_from = config.get("init_from", "")
-    tokenizer = tokenizer_lib.Tokenizer.load(config.tokenizer_path or init_from or task.tokenizer_path())
+    tokenizer = load_tokenizer(config.tokenizer_path or init_from or task.tokenizer_path())
     model_cfg = ModelConfig.from_config(config.model)
     if init_from:
       check_pretrained_shape(init_from, model_cfg)
     tokenizer_lib.check_vocab(tokenizer, model_cfg.vocab_size)
     chat = chat_template_lib.resolve(config.get("chat_template", "none"), tokenizer.chat_template)
     # A template adds the same tokens around every prompt; 4 spare columns absorb merges at its boundaries.
-    overhead = len(tokenizer.encode(chat.render(""))) + 4 if chat else 0
+    overhead = len(tokenizer.encode(chat_template_lib.render_prompt(chat, ""))) + 4 if chat else 0
     prompt_len = len(tokenizer.bos_ids) + task.max_prompt_len(tokenizer) + overhead
     response_len = task.max_answer_len(tokenizer) + config.extra_response_tokens
-    return cls(config, mesh, tokenizer, task, model_cfg, prompt_len, response_len, chat)
+    if member.algo.loss_agg == "constant" and not member.algo.loss_agg_constant:  # Its one default: the budget.
+      member = dataclasses.replace(member, algo=dataclasses.replace(member.algo, loss_agg_constant=float(response_len)))
+    return cls(config, member, mesh, tokenizer, task, model_cfg, prompt_len, response_len, chat)
 
   def _module_fn(self, seed: int):
     return lambda: Transformer(self.model_cfg, nnx.Rngs(seed))
@@ -120,8 +101,8 @@ class Experiment:
 
   def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
     """(tokens_BxP, valid_BxP): BOS + prompt, left-padded to `prompt_len`."""
-    render = self.chat.render if self.chat else (lambda prompt: prompt)
-    ids = [self.tokenizer.bos_ids + self.tokenizer.encode(render(p.prompt)) for p in problems]
+    ids = [self.tokenizer.bos_ids + self.tokenizer.encode(chat_template_lib.render_prompt(self.chat, p.prompt))
+           for p in problems]
     return tokenizer_lib.left_pad(ids, self.prompt_len, self.tokenizer.pad_id)
 
   def decode_responses(self, tokens_BxN: np.ndarray, mask_BxN: np.ndarray) -> list[str]:

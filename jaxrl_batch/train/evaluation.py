@@ -1,27 +1,11 @@
 """Held-out evaluation: greedy decoding on the task's fixed eval split."""
 import jax
-import numpy as np
 
-from jaxrl_batch.distributed import to_host
-from jaxrl_batch.experiment import Experiment
+from jaxrl_batch.runtime.distributed import to_host
+from jaxrl_batch.tasks.rewards import safe_rewards
+from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.sampling import SamplingParams, generate
-from jaxrl_batch.sharding import data_parallel_size
-
-
-def safe_rewards(task, completions, problems) -> tuple[np.ndarray, int, str | None]:
-  """Rewards as float32_B; a task whose reward raises scores 0 for that sample instead of stopping the run.
-
-  Returns (rewards_B, number of reward errors, first error message or None).
-  """
-  rewards, errors, first = [], 0, None
-  for completion, problem in zip(completions, problems):
-    try:
-      rewards.append(float(task.reward(completion, problem)))
-    except Exception as e:  # A user reward function must never crash the run.
-      errors += 1
-      first = first or f"{type(e).__name__}: {e}"
-      rewards.append(0.0)
-  return np.asarray(rewards, np.float32), errors, first
+from jaxrl_batch.runtime.sharding import data_parallel_size
 
 
 def eval_accuracy(exp: Experiment, graphdef, params) -> float:

@@ -151,3 +151,16 @@ def resolve(name: str, source: str | None) -> ChatTemplate | None:
   if name not in _RENDERERS:
     raise ValueError(f"Unknown chat template {name!r}; choose 'auto', 'none' or one of {FAMILIES}.")
   return ChatTemplate(name)
+
+
+def render_prompt(chat: ChatTemplate | None, messages: str | Sequence[Message], add_generation_prompt: bool = True,
+                  missing: str = "none is set") -> str:
+  """Prompt text of `messages` (a str is one user message) in `chat`, without BOS; with no template (None) a str is
+  used as it is. Every prompt the library encodes goes through here. `missing` says, in an error, why there is no
+  template."""
+  if chat is not None:
+    return chat.render(messages, add_generation_prompt)
+  if not isinstance(messages, str):
+    raise ValueError(f"Chat messages need a chat template, but {missing}; name one of {FAMILIES}, or pass the "
+                     "prompt as a string.")
+  return messages

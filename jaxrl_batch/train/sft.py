@@ -18,13 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_batch.checkpointing import Checkpointer
-from jaxrl_batch.evaluation import eval_accuracy
-from jaxrl_batch.experiment import Experiment
+from jaxrl_batch.runtime import streams
+from jaxrl_batch.runtime.checkpointing import Checkpointer
+from jaxrl_batch.train.evaluation import eval_accuracy
+from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.rl.batch import sequence_logprobs
 from jaxrl_batch.rl.losses import masked_token_sum_mean
-
-SFT_SEED_STREAM = 1_000_003  # SFT draws problems from (seed + this, step): a stream distinct from RL's.
 
 
 def sft_arrays(exp: Experiment, problems, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,16 +83,15 @@ def base_dir(exp: Experiment) -> str:
 def train(exp: Experiment):
   """Trains the base policy from scratch; returns (graphdef, params, held-out accuracy)."""
   c = exp.config.sft
-  graphdef, params = exp.init_params(exp.config.seed)
+  graphdef, params = exp.init_params(streams.init_seed(exp.config.seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, max(c.steps, c.warmup_steps + 1))
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   with jax.set_mesh(exp.mesh):
     opt_state = tx.init(params)
   start = time.time()
   for step in range(c.steps):
-    problems = exp.task.train_problems(exp.config.seed + SFT_SEED_STREAM, step, c.batch_size)
-    rng = np.random.default_rng([exp.config.seed + SFT_SEED_STREAM, step, 1])  # answer formats
-    batch = exp.shard_batch(sft_arrays(exp, problems, rng))
+    problems = exp.task.train_problems(streams.sft_prompt_seed(exp.config.seed), step, c.batch_size)
+    batch = exp.shard_batch(sft_arrays(exp, problems, streams.sft_format_rng(exp.config.seed, step)))
     with jax.set_mesh(exp.mesh):
       params, opt_state, loss = sft_step(params, opt_state, *batch, graphdef=graphdef, tx=tx)
     if (step + 1) % max(1, c.steps // 10) == 0 or step + 1 == c.steps:

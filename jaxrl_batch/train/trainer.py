@@ -1,9 +1,13 @@
 """The RL loop: rollouts -> rewards -> advantages -> GRPO/PPO updates, with evaluation, checkpoints and metrics.
 
-No algorithm math lives here. Every step's prompts and sampling randomness are functions of (seed, step), so the
-data position and RNG state of a run are its step count: a resumed run replays exactly.
+No algorithm math lives here. Every step's prompts and sampling randomness are functions of (seed, step)
+(`runtime.streams`), so the data position and RNG state of a run are its step count: a resumed run replays exactly.
+
+A step crosses between host and device only as `runtime.transfer` names it: prompts up, response tokens down,
+rewards up, and its metrics down once, one step late (fetched after the next step's rollout; at once before an
+evaluation, a checkpoint or the end, and every step under the adaptive KL controller, which needs the step's KL).
+The update is timed to completion (one blocking wait, no transfer) so that the phase clock is exact.
 """
-import dataclasses
 import json
 import logging
 import math
@@ -14,38 +18,21 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxrl_batch import sft
-from jaxrl_batch.checkpointing import Checkpointer
-from jaxrl_batch.collect import Collector
-from jaxrl_batch.distributed import is_main_process
-from jaxrl_batch.evaluation import eval_accuracy
-from jaxrl_batch.experiment import Experiment
-from jaxrl_batch.metrics import MetricsLog
-from jaxrl_batch.optim import make_optimizer
-from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.rl.critic import init_critic
 from jaxrl_batch.rl.kl_control import KLController
 from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
 from jaxrl_batch.rl.update import Models
+from jaxrl_batch.runtime import transfer
+from jaxrl_batch.train import rundir, sft
+from jaxrl_batch.runtime.checkpointing import Checkpointer
+from jaxrl_batch.train.collector import Collector
+from jaxrl_batch.train.evaluation import eval_accuracy
+from jaxrl_batch.train.setup import Experiment
 
-# Fields that may change when a run resumes; any other difference from workdir/config.json is refused.
-RESUMABLE_FIELDS = ("log_every_steps", "eval_every_samples", "checkpoint_every_samples", "sft")
-
-
-def config_diff(saved: dict, new: dict, prefix: str = "") -> list[str]:
-  """Dotted names of fields whose values differ between two config dicts (ignoring RESUMABLE_FIELDS)."""
-  diffs = []
-  for key in sorted(set(saved) | set(new)):
-    name = prefix + key
-    if not prefix and key in RESUMABLE_FIELDS:
-      continue
-    a, b = saved.get(key), new.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      diffs += config_diff(a, b, name + ".")
-    elif json.dumps(a) != json.dumps(b):
-      diffs.append(f"{name}: {a!r} -> {b!r}")
-  return diffs
+# Kept importable here: the config check of a resumed run.
+config_diff, RESUMABLE_FIELDS = rundir.config_diff, rundir.RESUMABLE_FIELDS
 
 
 def _json_config(config: ml_collections.ConfigDict) -> dict:
@@ -71,41 +58,32 @@ class Trainer:
     self.config = config
     self.workdir = os.path.abspath(workdir)
     self.exp = Experiment.create(config, devices=devices)
-    c = config
-    self.algo = AlgoConfig.from_config(c)
-    if self.algo.loss_agg == "constant" and not self.algo.loss_agg_constant:
-      self.algo = dataclasses.replace(self.algo, loss_agg_constant=float(self.exp.response_len))
-    self.num_prompts = c.batch_size // c.group_size
-    self.total_steps = math.ceil(c.sample_budget / c.batch_size)  # Exact unless rows are dropped from the loss.
-    updates = self.algo.updates_per_step
-    self.optimizer = make_optimizer(c.optim, c.batch_size, c.sample_budget, updates)
-    self.critic_optimizer = (make_optimizer(c.critic.optim, c.batch_size, c.sample_budget, updates)
-                             if self.algo.critic else None)
-    self.mini_batch_size = c.batch_size // self.algo.mini_batches
-    self.num_micro = self.mini_batch_size // (c.micro_batch_size or self.mini_batch_size)
+    self.member = m = self.exp.member
+    self.algo = m.algo
+    self.optimizer = make_optimizer(config.optim, m.batch_size, m.sample_budget, m.updates_per_step,
+                                    (m.actor_lr, m.actor_adam))
+    self.critic_optimizer = (make_optimizer(config.critic.optim, m.batch_size, m.sample_budget, m.updates_per_step,
+                                            (m.critic_lr, m.critic_adam)) if self.algo.critic else None)
     self.noise_scale = NoiseScale()  # Restarts on resume: an EMA, not part of the training state.
-    self.metrics = MetricsLog(os.path.join(self.workdir, "metrics.jsonl"))
-    self.collector = Collector(self.exp, self.algo, self.num_prompts, c.group_size, c.seed)
+    self.metrics = rundir.MetricsLog(self.workdir)
+    self.collector = Collector(self.exp)
+    self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
+    self.checkpointer: Checkpointer | None = None  # Opened by `run`, with the base policy and the learner.
+    self.graphdef = self.ref_params = self.learner = None
+    self._pending = None  # (host part of a training row, its device metrics): written once fetched.
 
   # -- run directory ---------------------------------------------------------------------------------------------
 
   def _resolved_config(self, base_dir: str) -> dict:
-    derived = dict(num_prompts=self.num_prompts, total_steps=self.total_steps,
-                   lr=self.optimizer.lr.lr, lr_derivation=self.optimizer.lr.describe(),
-                   lr_overridden=self.optimizer.lr.overridden, adam_b1_b2_eps=self.optimizer.adam,
-                   num_params=self.exp.model_cfg.num_params(), base_policy=base_dir)
-    if self.critic_optimizer:
-      derived.update(critic_lr=self.critic_optimizer.lr.lr, critic_lr_derivation=self.critic_optimizer.lr.describe())
+    derived = dict(self.member.to_json(), num_params=self.exp.model_cfg.num_params(), base_policy=base_dir)
     return dict(config=_json_config(self.config), derived=derived)
 
   def check_workdir(self) -> None:
     """Refuses to resume a workdir whose saved config differs from this one (before anything is written)."""
-    path = os.path.join(self.workdir, "config.json")
-    if not os.path.exists(path):
+    saved = rundir.read_config(self.workdir)
+    if saved is None:
       return
-    with open(path) as f:
-      saved = json.load(f)["config"]
-    diffs = config_diff(saved, _json_config(self.config))
+    diffs = rundir.config_diff(saved["config"], _json_config(self.config))
     if diffs:
       raise ValueError(f"{self.workdir} holds a run with a different config ({'; '.join(diffs)}). Use a new "
                        "--workdir for a new configuration, or rerun with the saved config to resume.")
@@ -113,41 +91,59 @@ class Trainer:
   # -- one step --------------------------------------------------------------------------------------------------
 
   def _train_step(self, state: dict, step: int):
-    """Collect, prepare, update. Returns (state, metrics row without step/samples/wall_s, trained samples)."""
-    rollouts, row = self.collector.collect(self.graphdef, state["params"], step)
+    """Collect, prepare, update. Returns (state, host part of the metrics row, device metrics)."""
+    learner = self.learner
+    rollouts, kl_coef, orders, row = self.collector.collect(self.graphdef, state["params"], step, self.kl.coef,
+                                                            learner.orders(step, self.member.batch_size))
+    self._flush()  # The previous step's metrics: computed by now, fetched one step late.
     t0 = time.time()
-    kl_coef = self.kl.coef
     with jax.set_mesh(self.exp.mesh):
-      batch, stats = self.learner.prepare(state, rollouts, self.ref_params, kl_coef)
-      actor_updates = max(step - self.algo.critic_warmup_steps, 0) * self.algo.updates_per_step
-      lr = float(self.optimizer.schedule(actor_updates))
-      state, out = self.learner.train(state, batch, step, kl_coef)
-    row["update_s"] = time.time() - t0
+      batch, stats = learner.prepare(state, rollouts, self.ref_params, kl_coef)
+      state, out = learner.train(state, batch, orders, step, kl_coef)
+    state = jax.block_until_ready(state)
+    actor_updates = max(step - self.algo.critic_warmup_steps, 0) * self.member.updates_per_step
+    row.update(update_s=time.time() - t0, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef)
+    return state, row, dict(stats, **out)
+
+  def _flush(self) -> dict | None:
+    """Fetches the pending step's metrics, checks them and writes its row; returns the row (None if none)."""
+    if self._pending is None:
+      return None
+    row, device = self._pending
+    self._pending = None
+    out = transfer.to_host("metrics", device)
     checked = [out["loss"]] + ([out["grad_norm"]] if "grad_norm" in out else [])
     if not all(np.isfinite(checked)):
       raise FloatingPointError(
-          f"Non-finite loss ({out['loss']}) or gradient norm ({out.get('grad_norm')}) at step {step + 1}; stopping "
+          f"Non-finite loss ({out['loss']}) or gradient norm ({out.get('grad_norm')}) at step {row['step']}; stopping "
           f"before saving, so the last checkpoint in {self.checkpointer.directory} (step "
           f"{self.checkpointer.latest_step()}) is intact. Lower optim.base_lr / set optim.grad_clip, then rerun.")
-    row.update(stats, lr=lr, kl_coef=kl_coef, noise_scale=self._noise_scale(out))
+    out = {k: float(v) for k, v in out.items()}
+    out["updates"] = self.member.updates_per_step
+    if "clip_frac_low" in out:
+      out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"]
+    row.update({k: out[k] for k in ("returns_mean", "logp_gap_mean", "vf_explained_var") if k in out})
+    row["noise_scale"] = self._noise_scale(out)
     row.update({k: out[k] for k in METRIC_KEYS if k in out})
     row.setdefault("kl", 0.0)
     row.setdefault("logp_gap_mean", out.get("logp_gap"))  # Sampler vs trainer, before this step's updates.
-    self.kl.update(row["kl"], row["trained_samples"])
-    return state, row, row.pop("trained_samples")
+    self.kl.update(row["kl"], row.pop("trained_samples"))
+    self.metrics.write(row)
+    return row
 
   def _noise_scale(self, out) -> float | None:
     """B_simple in rollouts (EMA over steps); None without micro-batching (it needs two batch sizes) or while the
     actor is frozen."""
-    if self.num_micro < 2 or "grad_sq" not in out:
+    m = self.member
+    if m.num_micro < 2 or "grad_sq" not in out:
       return None
-    b = self.mini_batch_size
-    return self.noise_scale.update(out["micro_grad_sq"], out["grad_sq"], b // self.num_micro, b)
+    return self.noise_scale.update(out["micro_grad_sq"], out["grad_sq"], m.mini_batch_size // m.num_micro,
+                                   m.mini_batch_size)
 
   # -- the loop --------------------------------------------------------------------------------------------------
 
   def _initial_state(self, base_params) -> dict:
-    exp = self.exp
+    exp, m = self.exp, self.member
     state, critic_graphdef = dict(params=base_params), None
     if self.algo.critic:
       critic_graphdef, state["critic"] = init_critic(exp.model_cfg, base_params, self.algo.share_backbone,
@@ -158,24 +154,22 @@ class Trainer:
         state["critic_opt_state"] = self.critic_optimizer.tx.init(state["critic"])
     models = Models(self.graphdef, self.optimizer.tx, critic_graphdef,
                     self.critic_optimizer.tx if self.critic_optimizer else None)
-    self.learner = Learner(self.algo, models, group_size=self.config.group_size,
-                           micro_batch_size=self.config.micro_batch_size, seed=self.config.seed,
-                           shard_batch=exp.shard_batch)
+    self.learner = Learner(self.algo, models, group_size=m.group_size, mini_batch_size=m.mini_batch_size,
+                           num_micro=m.num_micro, seed=m.seed, mesh=exp.mesh)
     return state
 
-  def run(self) -> dict:
-    """Trains to `sample_budget`; returns the last training row and the final eval accuracy."""
-    c, exp, algo = self.config, self.exp, self.algo
+  def start(self) -> tuple[dict, dict]:
+    """Opens the run: checks and writes the run directory, loads the base policy, restores the latest checkpoint.
+    Returns (state, progress dict: step, samples, samples_generated, wall_s, kl_coef)."""
+    exp, algo = self.exp, self.algo
     exp.log_layout()
-    logging.info("%s: %d prompts x %d samples = %d rollouts per step, %d epoch(s) x %d mini-batch(es); about %d "
-                 "steps for %d samples. %s", algo.algo.upper(), self.num_prompts, c.group_size, c.batch_size,
-                 algo.epochs, algo.mini_batches, self.total_steps, c.sample_budget, self.optimizer.lr.describe())
+    logging.info("%s", self.member.describe())
     self.check_workdir()
     os.makedirs(self.workdir, exist_ok=True)
     self.graphdef, base_params, base_dir = sft.load_or_train(exp)
     # The reference policy is held only when a KL term exists.
     self.ref_params = jax.tree.map(lambda x: x.copy(), base_params) if algo.use_kl else None
-    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"))
+    self.checkpointer = Checkpointer(rundir.checkpoints_dir(self.workdir))
     state = self._initial_state(base_params)
     progress = dict(step=0, samples=0, samples_generated=0, wall_s=0.0, kl_coef=algo.kl_coef)
     if self.checkpointer.latest_step() is not None:
@@ -187,30 +181,37 @@ class Trainer:
                    progress["wall_s"], self.workdir)
     else:
       self.metrics.truncate_after(-1)  # Rows of an attempt that died before its first checkpoint.
-      if is_main_process():  # Written whole, then renamed: other processes may be reading it (check_workdir).
-        tmp = os.path.join(self.workdir, "config.json.tmp")
-        with open(tmp, "w") as f:
-          json.dump(self._resolved_config(base_dir), f, indent=2)
-        os.replace(tmp, os.path.join(self.workdir, "config.json"))
+      rundir.write_config(self.workdir, self._resolved_config(base_dir))
     self.kl = KLController(progress["kl_coef"], algo.kl_target, algo.kl_horizon)
+    return state, progress
+
+  def run(self) -> dict:
+    """Trains to `sample_budget`; returns the last training row and the final eval accuracy."""
+    state, progress = self.start()
     try:
-      return self._loop(state, progress)
+      return self.loop(state, progress)
     finally:
       self.checkpointer.close()  # Also on errors and Ctrl-C: pending asynchronous saves complete.
 
-  def _loop(self, state: dict, progress: dict) -> dict:
-    c, exp = self.config, self.exp
+  def _evaluate(self, params) -> float:
+    with transfer.scope("eval"):
+      return eval_accuracy(self.exp, self.graphdef, params)
+
+  def loop(self, state: dict, progress: dict) -> dict:
+    """Steps from `progress` (see `start`) to the sample budget."""
+    c, exp, m = self.config, self.exp, self.member
     step, samples, generated = progress["step"], progress["samples"], progress["samples_generated"]
     start = time.time()
     wall = lambda: progress["wall_s"] + time.time() - start
     eval_acc = next((r["eval_accuracy"] for r in reversed(self.metrics.read()) if "eval_accuracy" in r), None)
     if step == 0:
-      eval_acc = eval_accuracy(exp, self.graphdef, state["params"])
+      eval_acc = self._evaluate(state["params"])
       self.metrics.write(dict(step=0, samples=0, wall_s=wall(), eval_accuracy=eval_acc))
       logging.info("Step 0: held-out greedy accuracy %.3f (base policy).", eval_acc)
     first_step, row, idle = step, {}, 0
-    while samples < c.sample_budget:
-      state, row, trained = self._train_step(state, step)
+    while samples < m.sample_budget:
+      state, row, device_metrics = self._train_step(state, step)
+      trained = row["trained_samples"]
       idle = idle + 1 if trained == 0 else 0
       if idle >= MAX_IDLE_STEPS:
         raise RuntimeError(f"No rollout entered the loss for {idle} steps (rl.overlong='mask' and every response "
@@ -220,22 +221,28 @@ class Trainer:
       generated += row.pop("samples_generated")
       row = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), cold=step == first_step + 1,
                  **row)
-      self.metrics.write(row)
+      self._pending = (row, device_metrics)
       crossed = lambda every: every > 0 and samples // every > previous // every
-      done = samples >= c.sample_budget
-      if crossed(c.eval_every_samples) or done:
-        eval_acc = eval_accuracy(exp, self.graphdef, state["params"])
+      done = samples >= m.sample_budget
+      evaluate, save = crossed(c.eval_every_samples) or done, crossed(c.checkpoint_every_samples) or done
+      if evaluate or save or self.kl.target > 0:
+        self._flush()
+      if evaluate:
+        eval_acc = self._evaluate(state["params"])
         self.metrics.write(dict(step=step, samples=samples, wall_s=wall(), eval_accuracy=eval_acc))
       if step % c.log_every_steps == 0 or done:
         rate = (time.time() - start) / (step - first_step)
-        steps_left = math.ceil(max(c.sample_budget - samples, 0) / c.batch_size)
+        steps_left = math.ceil(max(m.sample_budget - samples, 0) / m.batch_size)
         logging.info("step %d | samples %d/%d (%.0f%%) | reward %.3f | eval %s | len %.1f | %.2fs/step | ETA %s",
-                     step, samples, c.sample_budget, 100 * samples / c.sample_budget, row["reward_mean"],
+                     step, samples, m.sample_budget, 100 * samples / m.sample_budget, row["reward_mean"],
                      "-" if eval_acc is None else f"{eval_acc:.3f}", row["response_len_mean"], rate,
                      _format_eta(rate * steps_left))
-      if crossed(c.checkpoint_every_samples) or done:
-        self.checkpointer.save(step, state, dict(step=step, samples=samples, samples_generated=generated,
-                                                 wall_s=wall(), kl_coef=self.kl.coef))
+      if save:
+        with transfer.scope("checkpoint"):
+          self.checkpointer.save(step, state, dict(step=step, samples=samples, samples_generated=generated,
+                                                   wall_s=wall(), kl_coef=self.kl.coef))
+    self._flush()
     logging.info("Done: %d steps, %d samples (%d generated), final held-out accuracy %s.", step, samples, generated,
                  eval_acc)
     return dict(row, eval_accuracy=eval_acc)
+

@@ -35,9 +35,6 @@ class Checkpointer:
                                                                    meta=ocp.args.JsonRestore()))
     return restored["state"], restored["meta"]
 
-  def wait(self) -> None:
-    self._manager.wait_until_finished()
-
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()

@@ -15,7 +15,6 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axis (or tuple of axes, or None for replicated).
 DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
@@ -116,3 +115,8 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 def data_parallel_size(mesh: Mesh) -> int:
   """How many ways the batch is split: every batch size must be a multiple of this."""
   return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Every device holds the whole array (scalars, index vectors)."""
+  return NamedSharding(mesh, P())

@@ -13,7 +13,7 @@ import os
 
 import tokenizers
 
-from jaxrl_batch.tokenizer import Tokenizer
+from jaxrl_batch.text.tokenizer import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILES = ("special_tokens_map.json", "tokenizer_config.json")  # Read in order; later keys win.

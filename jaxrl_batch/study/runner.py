@@ -1,0 +1,138 @@
+"""Equal-sample studies: every member of a batch family (rule x batch x seed) trained to the same sample budget.
+
+A member is given by its fields in the vocabulary every family config accepts (`batch=` rollouts per step,
+`lr_rule=`, `seed=`): its config is `get_config(base arg + those fields)`, `--set` overrides applied, and the
+`family.Member` derived from it names its run directory `workdir/<rule>_b<batch>_s<seed>/` (its own config.json,
+metrics.jsonl, checkpoints). Every member is built and validated before any trains. Finished members are skipped and
+unfinished ones resume, so rerunning the study command continues where it stopped.
+"""
+import importlib.util
+import logging
+import os
+import time
+
+import ml_collections
+
+from jaxrl_batch.analysis import clock, runs
+from jaxrl_batch.config import family
+from jaxrl_batch.config.args import apply_overrides
+from jaxrl_batch.runtime import sharding
+from jaxrl_batch.train import rundir
+from jaxrl_batch.train.trainer import Trainer
+
+
+def load_config_module(path: str):
+  """The config file at `path` as a module (it must define `get_config(arg)`)."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"Config file {path!r} does not exist.")
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ValueError(f"Config file {path!r} has no get_config(arg).")
+  return module
+
+
+def member_fields(module, batches: list[int], rules: list[str], num_seeds: int) -> list[dict]:
+  """dict(batch, lr_rule, seed) of every rule x batch x seed; empty `batches`/`rules` take the values of the
+  members listed by the config's `sweep()`."""
+  if not batches or not rules:
+    if not hasattr(module, "sweep"):
+      raise ValueError("Give --batches and --rules: the config file has no sweep() to take them from.")
+    swept = module.sweep()
+    batches = batches or sorted({m["batch"] for m in swept})
+    rules = rules or list(dict.fromkeys(m["lr_rule"] for m in swept))
+  if num_seeds < 1:
+    raise ValueError(f"--seeds={num_seeds}: run at least one seed.")
+  return [dict(batch=b, lr_rule=r, seed=s) for r in rules for b in batches for s in range(num_seeds)]
+
+
+def config_arg(base_arg: str, fields: dict) -> str:
+  """The config argument of a member: `base_arg`, then the member's fields (later keys win)."""
+  return ",".join(filter(None, [base_arg, *(f"{key}={value}" for key, value in fields.items())]))
+
+
+def member_config(module, base_arg: str, fields: dict, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+  """The config of the member `fields` (e.g. dict(batch=256, lr_rule="sqrt", seed=0)), with `overrides` applied."""
+  config = module.get_config(config_arg(base_arg, fields))
+  apply_overrides(config, list(overrides))
+  return config
+
+
+def derive(config: ml_collections.ConfigDict, fields: dict, devices=None) -> family.Member:
+  """The member `config` describes, validated for the mesh it will run on; it must be the member `fields` asked for."""
+  mesh = sharding.make_mesh(**config.mesh, devices=devices)
+  member = family.member(config, sharding.data_parallel_size(mesh))
+  got = dict(batch=member.batch_size, lr_rule=member.rule, seed=member.seed)
+  wrong = {key: got[key] for key, value in fields.items() if got[key] != value}
+  if wrong:
+    raise ValueError(f"Member {fields} built a config with {', '.join(f'{k}={v!r}' for k, v in wrong.items())}: the "
+                     "config's get_config must honour batch=, lr_rule= and seed=, and --set must not override "
+                     "batch_size, optim.lr_rule or seed.")
+  return member
+
+
+def run_study(config_path: str, workdir: str, batches: list[int], rules: list[str], num_seeds: int,
+              overrides: list[str] = (), devices=None) -> list[family.Member]:
+  """Runs (or resumes) every member to the same sample budget; returns the members in run order.
+
+  Args:
+    config_path: 'configs/x.py' or 'configs/x.py:<base arg>' (e.g. 'configs/grpo_gsm8k_qwen.py:model=tiny_random').
+    workdir: the study directory; one subdirectory per member.
+    batches, rules: rollouts per step and lr rules of the members; empty: those of the config's `sweep()`.
+    num_seeds: seeds 0 .. num_seeds - 1 of each (rule, batch).
+    overrides: 'key=value' applied to every member's config.
+    devices: devices of each run (default: all).
+  """
+  path, _, base_arg = config_path.partition(":")
+  module = load_config_module(path)
+  fields = member_fields(module, batches, rules, num_seeds)
+  configs = [member_config(module, base_arg, f, overrides) for f in fields]
+  todo = [(derive(c, f, devices), c) for c, f in zip(configs, fields)]  # Every member validates before any trains.
+  budgets = {m.sample_budget for m, _ in todo}
+  if len(budgets) != 1:
+    raise ValueError(f"Members have different sample budgets {sorted(budgets)}; a study compares equal samples.")
+  os.makedirs(workdir, exist_ok=True)
+  start, done = time.time(), 0
+  for i, (member, config) in enumerate(todo):
+    run_dir = os.path.join(workdir, member.name)
+    if rundir.finished_samples(run_dir) >= member.sample_budget:
+      logging.info("[%d/%d] %s: finished, skipped.", i + 1, len(todo), member.name)
+      continue
+    logging.info("[%d/%d] %s: running to %d samples.", i + 1, len(todo), member.name, member.sample_budget)
+    Trainer(config, run_dir, devices=devices).run()
+    done += 1
+    remaining = sum(rundir.finished_samples(os.path.join(workdir, m.name)) < m.sample_budget for m, _ in todo)
+    logging.info("Study: %d/%d members finished; about %.0f s left.", len(todo) - remaining, len(todo),
+                 (time.time() - start) / done * remaining)
+  return [m for m, _ in todo]
+
+
+def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: str, steps: int,
+                     overrides: list[str] = (), devices=None) -> dict[int, float]:
+  """Measured samples/s at each batch from `steps` training steps (no training to target); {batch: R}.
+
+  Each batch is the member dict(batch=B, lr_rule=rule, seed=0) of a study, run in `workdir/b<B>/` (resumable), with
+  evaluation and checkpoints only at its end; R excludes the first (compiling) step, as in the analysis.
+  """
+  if steps < 2:
+    raise ValueError(f"steps={steps}: the sweep needs >= 2 steps (the first one compiles and is not timed).")
+  path, _, base_arg = config_path.partition(":")
+  module = load_config_module(path)
+  fields = [dict(batch=b, lr_rule=rule, seed=0) for b in batches]
+  short = ["eval_every_samples=0", "checkpoint_every_samples=0"]
+  configs = [member_config(module, base_arg, f, [*overrides, f"sample_budget={steps * f['batch']}", *short])
+             for f in fields]
+  todo = [(derive(c, f, devices), c) for c, f in zip(configs, fields)]
+  rates = {}
+  for member, config in todo:
+    name = f"b{member.batch_size}"
+    run_dir = os.path.join(workdir, name)
+    if rundir.finished_samples(run_dir) < member.sample_budget:
+      Trainer(config, run_dir, devices=devices).run()
+    run = runs.read_run(run_dir, name)
+    if isinstance(run, str):
+      raise ValueError(f"Throughput run {run_dir} is not analysable: {run}.")
+    rates[member.batch_size] = clock.throughput(run.train_samples, run.phase_s, run.cold)
+    logging.info("Throughput at batch %d: %.1f samples/s.", member.batch_size, rates[member.batch_size])
+  return rates

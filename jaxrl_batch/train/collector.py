@@ -1,0 +1,144 @@
+"""A step's rollouts: sample group_size responses per prompt, score them, and apply dynamic sampling and overlong
+handling. The rollouts stay on the device; only the prompts go up, the response tokens come down (for decoding and
+scoring) and the rewards go up (`runtime.transfer`).
+
+Round r of step s draws its prompts from the stream `streams.rl_prompt_seed(seed, r)` and its sampling key from
+(seed, s, r): round 0 is exactly the run without dynamic sampling, and a resumed run replays every round.
+"""
+import functools
+import logging
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_batch.rl.overlong import overlong_penalty
+from jaxrl_batch.runtime import sharding, streams, transfer
+from jaxrl_batch.sampling import SamplingParams, generate
+from jaxrl_batch.tasks.rewards import safe_rewards
+from jaxrl_batch.train.setup import Experiment
+
+
+class Rollouts(NamedTuple):
+  """A step's scored rollouts, on the device (batch-sharded), B = rows trained this step.
+
+  prompt_BxP / prompt_valid_BxP: left-padded prompts; tokens_BxN, logprobs_BxN, mask_BxN: the sampler's output;
+  rewards_B: float32 task rewards after any overlong penalty; trained_B: bool, rows whose tokens enter the loss.
+  """
+  prompt_BxP: jax.Array
+  prompt_valid_BxP: jax.Array
+  tokens_BxN: jax.Array
+  logprobs_BxN: jax.Array
+  mask_BxN: jax.Array
+  rewards_B: jax.Array
+  trained_B: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
+                                             "group_size"))
+def _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data_3, *, max_new_tokens: int, eos_id: int,
+            pad_id: int, sampling: SamplingParams, group_size: int):
+  """One round's rollout, its sampling key built on the device from `streams.sampling_key_data`."""
+  return generate(graphdef, params, prompt_BxP, prompt_valid_BxP, streams.sampling_key(key_data_3),
+                  max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, sampling=sampling,
+                  group_size=group_size)  # One prefill per prompt, its KV shared by the group.
+
+
+@jax.jit
+def _select(rounds, rows_B):
+  """Rows `rows_B` of the rounds' arrays concatenated along the batch (round r's row i is r * B + i)."""
+  return jax.tree.map(lambda *xs: jnp.take(jnp.concatenate(xs), rows_B, axis=0), *rounds)
+
+
+def zero_spread_groups(rewards_B: np.ndarray, group_size: int) -> np.ndarray:
+  """bool_G on the host: the group's rewards are all exactly equal (`rl.advantages.zero_std_groups` on device)."""
+  rewards_GxK = np.asarray(rewards_B, np.float32).reshape(-1, group_size)
+  return rewards_GxK.max(axis=1) == rewards_GxK.min(axis=1)
+
+
+class Collector:
+  """Produces each step's `Rollouts` for the member's P prompts x G samples."""
+
+  def __init__(self, exp: Experiment):
+    self.exp, self.member = exp, exp.member
+
+  def _round(self, graphdef, params, step: int, r: int) -> dict:
+    """One round of sampling and scoring: device arrays, host tokens/rewards and timings."""
+    exp, m = self.exp, self.member
+    g = m.group_size
+    problems = exp.task.train_problems(streams.rl_prompt_seed(m.seed, r), step, m.num_prompts)
+    prompt_BxP, prompt_valid_BxP = (np.repeat(x, g, axis=0) for x in exp.encode_prompts(problems))
+    batch = lambda ndim: sharding.batch_sharding(exp.mesh, ndim)
+    prompt_BxP, prompt_valid_BxP, key_data = transfer.to_device(
+        "prompts", (prompt_BxP, prompt_valid_BxP, streams.sampling_key_data(m.seed, step, r)),
+        (batch(2), batch(2), sharding.replicated(exp.mesh)))
+    t0 = time.time()
+    with jax.set_mesh(exp.mesh):
+      rollout = _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data, max_new_tokens=exp.response_len,
+                        eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id, sampling=exp.sampling, group_size=g)
+    rollout = jax.block_until_ready(rollout)
+    t1 = time.time()
+    tokens_BxN, mask_BxN, lengths_B, truncated_B = transfer.to_host(
+        "tokens", (rollout.tokens_BxN, rollout.mask_BxN, rollout.lengths_B, rollout.truncated_B))
+    completions = exp.decode_responses(tokens_BxN, mask_BxN)
+    rewards_B, errors, first = safe_rewards(exp.task, completions, [p for p in problems for _ in range(g)])
+    if errors:
+      logging.warning("Step %d: the reward function raised on %d samples (scored 0); first: %s", step, errors, first)
+    device = (prompt_BxP, prompt_valid_BxP, rollout.tokens_BxN, rollout.logprobs_BxN, rollout.mask_BxN)
+    return dict(device=device, task_rewards_B=rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
+                errors=errors, rollout_s=t1 - t0, reward_s=time.time() - t1)
+
+  def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]
+              ) -> tuple[Rollouts, jax.Array, list[jax.Array], dict]:
+    """The step's rollouts, and with them on the device the KL coefficient (float32) and the mini-batch `orders`
+    (row indices, uploaded with the rewards); plus host statistics (timings, reward and length statistics over every
+    generated rollout, `samples_generated`, `sampling_rounds`, `trained_samples`)."""
+    algo, m = self.member.algo, self.member
+    g, p = m.group_size, m.num_prompts
+    rounds, kept, dropped = [], [], []
+    for r in range(algo.max_sampling_rounds if algo.dynamic_sampling else 1):
+      out = self._round(graphdef, params, step, r)
+      rounds.append(out)
+      informative_G = ~zero_spread_groups(out["task_rewards_B"], g) if algo.dynamic_sampling else np.ones(p, bool)
+      kept += [(r, i) for i in np.flatnonzero(informative_G)]
+      dropped += [(r, i) for i in np.flatnonzero(~informative_G)]
+      if len(kept) >= p:
+        break
+    # Short of informative groups after the last round: fill the batch with dropped ones (their group advantages
+    # are 0), so that a step always trains on a full batch and the run reaches its budget.
+    groups = kept[:p] + dropped[:max(p - len(kept), 0)]
+    b = m.batch_size
+    rows_B = np.concatenate([r * b + np.arange(i * g, (i + 1) * g) for r, i in groups]).astype(np.int32)
+
+    def take(key):
+      return np.concatenate([rounds[r][key] for r in range(len(rounds))])[rows_B]
+
+    truncated_B, lengths_B, rewards_B = take("truncated_B"), take("lengths_B"), take("task_rewards_B")
+    trained_B = np.ones(len(rewards_B), bool)
+    if algo.overlong == "penalty":
+      rewards_B = rewards_B + overlong_penalty(lengths_B, truncated_B, self.exp.response_len, algo.overlong_buffer,
+                                               algo.overlong_penalty)
+    elif algo.overlong == "mask":
+      trained_B = trained_B & ~truncated_B
+    trained_host_B = trained_B
+    mesh = self.exp.mesh
+    replicated, batch_1d = sharding.replicated(mesh), sharding.batch_sharding(mesh, 1)
+    rewards_B, trained_B, rows_B, kl_coef, orders = transfer.to_device(
+        "rewards", (rewards_B.astype(np.float32), trained_B, rows_B, np.float32(kl_coef), orders),
+        (batch_1d, batch_1d, replicated, replicated, [replicated] * len(orders)))
+    with jax.set_mesh(mesh):
+      selected = _select([out["device"] for out in rounds], rows_B)
+    rollouts = Rollouts(*selected, rewards_B, trained_B)
+    every = {k: np.concatenate([out[k] for out in rounds]) for k in ("task_rewards_B", "lengths_B", "truncated_B")}
+    stats = dict(rollout_s=sum(out["rollout_s"] for out in rounds), reward_s=sum(out["reward_s"] for out in rounds),
+                 samples_generated=len(every["task_rewards_B"]),
+                 sampling_rounds=len(rounds), reward_mean=float(every["task_rewards_B"].mean()),
+                 reward_std=float(every["task_rewards_B"].std()),
+                 response_len_mean=float(every["lengths_B"].mean()),
+                 truncated_frac=float(every["truncated_B"].mean()),
+                 zero_std_group_frac=float(zero_spread_groups(every["task_rewards_B"], g).mean()) if g > 1 else 0.0,
+                 reward_errors=int(sum(out["errors"] for out in rounds)),
+                 trained_samples=int(trained_host_B.sum()))
+    return rollouts, kl_coef, orders, stats

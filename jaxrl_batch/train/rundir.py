@@ -1,0 +1,128 @@
+"""The run directory: the one module that knows its files and their formats.
+
+  config.json     {"config": the run's ConfigDict as JSON, "derived": the member's derived values (`Member.to_json`),
+                   num_params, base_policy}; written whole, then renamed, when a run starts from step 0.
+  metrics.jsonl   one JSON object per line, appended as the run goes (training rows and evaluation rows, which hold
+                   `eval_accuracy`), trimmed on resume to the restored step; non-finite floats are written as null.
+  checkpoints/    orbax checkpoints (`runtime.checkpointing`).
+
+In a multi-process run only process 0 writes; every process may read.
+"""
+import json
+import math
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from jaxrl_batch.runtime.distributed import is_main_process
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+
+# Config fields that may change when a run resumes; any other difference from config.json is refused.
+RESUMABLE_FIELDS = ("log_every_steps", "eval_every_samples", "checkpoint_every_samples", "sft")
+
+
+def config_path(run_dir: str) -> str:
+  return os.path.join(run_dir, CONFIG)
+
+
+def metrics_path(run_dir: str) -> str:
+  return os.path.join(run_dir, METRICS)
+
+
+def checkpoints_dir(run_dir: str) -> str:
+  return os.path.join(run_dir, CHECKPOINTS)
+
+
+def read_config(run_dir: str) -> dict | None:
+  """config.json's content, or None when the run has none yet."""
+  path = config_path(run_dir)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def write_config(run_dir: str, content: dict) -> None:
+  """Writes config.json whole, then renames it into place: other processes may be reading it."""
+  if not is_main_process():
+    return
+  tmp = config_path(run_dir) + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(content, f, indent=2)
+  os.replace(tmp, config_path(run_dir))
+
+
+def config_diff(saved: dict, new: dict, prefix: str = "") -> list[str]:
+  """Dotted names of fields whose values differ between two config dicts (ignoring RESUMABLE_FIELDS)."""
+  diffs = []
+  for key in sorted(set(saved) | set(new)):
+    name = prefix + key
+    if not prefix and key in RESUMABLE_FIELDS:
+      continue
+    a, b = saved.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      diffs += config_diff(a, b, name + ".")
+    elif json.dumps(a) != json.dumps(b):
+      diffs.append(f"{name}: {a!r} -> {b!r}")
+  return diffs
+
+
+def iter_metrics(path: str) -> Iterator[tuple[int, dict]]:
+  """(line number, row) of every non-empty line of a metrics.jsonl; ValueError naming the line if one is not JSON."""
+  with open(path) as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        yield line_no, json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{line_no} is not a JSON metrics row ({e}). Fix or delete that line.") from e
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+  """Every row of the run's metrics.jsonl ([] if it has none)."""
+  path = metrics_path(run_dir)
+  return [row for _, row in iter_metrics(path)] if os.path.exists(path) else []
+
+
+def finished_samples(run_dir: str) -> int:
+  """Cumulative samples of a run's last training row (0 if it has none)."""
+  return max((r["samples"] for r in read_metrics(run_dir) if "reward_mean" in r), default=0)
+
+
+def _plain(value):
+  value = value.item() if isinstance(value, np.generic | np.ndarray) else value
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+class MetricsLog:
+  """Appends rows to a run's metrics.jsonl; each row is flushed so a killed run loses nothing it logged."""
+
+  def __init__(self, run_dir: str):
+    self.run_dir = run_dir
+    self.path = metrics_path(run_dir)
+
+  def write(self, row: dict) -> None:
+    if not is_main_process():
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+
+  def read(self) -> list[dict]:
+    return read_metrics(self.run_dir)
+
+  def truncate_after(self, step: int) -> None:
+    """Drops rows logged after `step` (work a resumed run will redo); atomic replace."""
+    if not is_main_process():
+      return
+    rows = [r for r in self.read() if r.get("step", 0) <= step]
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, self.path)
