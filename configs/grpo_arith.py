@@ -14,8 +14,8 @@ Commands (from the repository root):
 """
 import ml_collections
 
-from jaxrl_batch.runtime import sharding
 from jaxrl_batch.config.args import parse_arg
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.tasks import arithmetic
 
 BASE_BATCH = 128  # B0: the family's reference member (16 prompts x 8 samples).

@@ -24,8 +24,8 @@ Commands (from the repository root):
 import ml_collections
 
 from configs import grpo_arith
-from jaxrl_batch.runtime import sharding
 from jaxrl_batch.config.args import parse_arg
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.tasks import gsm8k
 from jaxrl_batch.tasks.sample_tokenizer import PATH as SAMPLE_TOKENIZER
 

@@ -12,8 +12,8 @@ cached base policy (see jaxrl_batch/hf/converted.py). Export writes safetensors 
 import jax
 from absl import app, flags, logging
 
-from jaxrl_batch.runtime import sharding
 from jaxrl_batch.hf import export_hf, import_hf
+from jaxrl_batch.runtime import sharding
 from launch import logs
 
 flags.DEFINE_enum("direction", "import", ["import", "export"], "import: HF -> ours; export: ours -> HF.")

@@ -5,10 +5,10 @@ import jax
 import pytest
 
 from configs import grpo_arith, ppo_arith
-from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.rl.advantages import ESTIMATORS
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+from jaxrl_batch.train.setup import Experiment
 
 KL_VARIANTS = [dict(kl_coef=0.0)] + [dict(kl_coef=0.1, kl_in="loss", kl_estimator=k) for k in KL_ESTIMATORS] + [
     dict(kl_coef=0.1, kl_in="reward", kl_estimator="k1"), dict(kl_coef=0.1, kl_target=0.05)]

@@ -5,9 +5,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_batch.text.spm_tokenizer import train_sentencepiece
 from jaxrl_batch.tasks import TASKS, countdown, gsm8k, make_task, math_boxed
 from jaxrl_batch.tasks.base import Problem
+from jaxrl_batch.text.spm_tokenizer import train_sentencepiece
 
 NAMES = ("gsm8k", "math", "countdown")
 MODULES = {"gsm8k": gsm8k, "math": math_boxed, "countdown": countdown}

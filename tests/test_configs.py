@@ -9,11 +9,11 @@ import jax
 import pytest
 
 from jaxrl_batch.config.args import parse_arg
+from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.study import runner
+from jaxrl_batch.tasks.base import Problem
 from jaxrl_batch.tasks.rewards import safe_rewards
 from jaxrl_batch.train.setup import Experiment
-from jaxrl_batch.config.optim import make_optimizer
-from jaxrl_batch.tasks.base import Problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE = jax.devices()[:1]

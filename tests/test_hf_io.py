@@ -17,12 +17,12 @@ from flax import nnx
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from jaxrl_batch import from_pretrained, save_pretrained  # noqa: E402
-from jaxrl_batch.runtime import sharding  # noqa: E402
-from jaxrl_batch.runtime.checkpointing import Checkpointer  # noqa: E402
 from jaxrl_batch.hf import export_hf  # noqa: E402
 from jaxrl_batch.hf.config import to_model_config  # noqa: E402
 from jaxrl_batch.model import ModelConfig, RopeScaling, Transformer, sequence_logits  # noqa: E402
 from jaxrl_batch.model.rope import inverse_frequencies  # noqa: E402
+from jaxrl_batch.runtime import sharding  # noqa: E402
+from jaxrl_batch.runtime.checkpointing import Checkpointer  # noqa: E402
 
 _BASE = dict(vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=96,
              norm_eps=1e-5)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_batch.runtime import sharding
 from jaxrl_batch.model import ModelConfig, Transformer, sequence_logits
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import SamplingParams, generate
 from jaxrl_batch.sampling.generate import cache_buckets
 from jaxrl_batch.sampling.strategies import argmax, sample, truncate

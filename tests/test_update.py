@@ -9,13 +9,13 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl_batch.runtime import sharding
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs
 from jaxrl_batch.rl.critic import init_critic
 from jaxrl_batch.rl.learner import reference_logprobs
 from jaxrl_batch.rl.update import Models, update
+from jaxrl_batch.runtime import sharding
 
 CFG = ModelConfig(vocab_size=16, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4, d_ff=32)
 B, P, N = 8, 4, 5

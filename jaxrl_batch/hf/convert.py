@@ -12,10 +12,10 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxrl_batch.runtime import sharding
 from jaxrl_batch.hf import config as hf_config
 from jaxrl_batch.hf import layout, safetensors_io
 from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.runtime import sharding
 
 # Tensors some checkpoints carry that the model recomputes or ties.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

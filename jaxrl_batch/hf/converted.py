@@ -15,10 +15,10 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxrl_batch.runtime import sharding
-from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.hf.convert import from_pretrained, save_pretrained
 from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.runtime import sharding
+from jaxrl_batch.runtime.checkpointing import Checkpointer
 
 MODEL_CONFIG = "model_config.json"
 HF_DIR = "hf"

@@ -4,8 +4,8 @@ from flax import nnx
 
 from jaxrl_batch.model.config import ModelConfig
 from jaxrl_batch.model.kv_cache import KVCache
-from jaxrl_batch.model.linear import linear
 from jaxrl_batch.model.layers import Attention, RMSNorm, SwiGLU, fan_in_normal, sharded_param
+from jaxrl_batch.model.linear import linear
 
 
 class Block(nnx.Module):

@@ -13,7 +13,8 @@ GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 
 
 def _grouped(rewards_B: jax.Array, group_size: int) -> jax.Array:
-  """(B,) rewards -> (G, group_size) float32, checking the static shapes."""
+  """(B,) rewards -> (G, group_size) float32, checking the static shapes; a numpy array stays on the host (the
+  collector's statistics), a jax array on the device."""
   if group_size < 2:
     raise ValueError(f"group_size must be >= 2 (rollouts per prompt), got {group_size}.")
   if rewards_B.ndim != 1:
@@ -21,7 +22,7 @@ def _grouped(rewards_B: jax.Array, group_size: int) -> jax.Array:
   if rewards_B.shape[0] % group_size:
     raise ValueError(f"The number of rollouts {rewards_B.shape[0]} is not divisible by group_size "
                      f"{group_size}; sample group_size rollouts for every prompt.")
-  return jnp.asarray(rewards_B, jnp.float32).reshape(-1, group_size)
+  return rewards_B.astype(jnp.float32).reshape(-1, group_size)
 
 
 def _all_equal_G(rewards_GxK: jax.Array) -> jax.Array:

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_batch.runtime import sharding
 from jaxrl_batch.model import ModelConfig, causal_mask, positions_from_valid
 from jaxrl_batch.model.value_head import ValueHead, ValueModel
+from jaxrl_batch.runtime import sharding
 
 
 def critic_model_config(policy_cfg: ModelConfig, num_layers: int) -> ModelConfig:

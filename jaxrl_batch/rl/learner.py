@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_batch.runtime import sharding, streams
 from jaxrl_batch.rl import advantages as adv_lib
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs
 from jaxrl_batch.rl.update import Models, score, update
+from jaxrl_batch.runtime import sharding, streams
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))

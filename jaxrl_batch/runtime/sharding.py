@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

@@ -41,24 +41,29 @@ def scope(name: str):
     _state.name = outer
 
 
-def to_device(name: str, tree, shardings):
-  """Host arrays (numpy or Python scalars) placed as global arrays with `shardings` (one per leaf, or one for all).
+def place(tree, shardings):
+  """Host arrays (numpy or Python scalars) placed as global arrays with `shardings`: one per leaf, one for all, or
+  a function of the leaf's ndim. Not counted: call it inside a named crossing (`to_device` or `scope`).
 
   Every process holds the same full arrays (computed from (seed, step)) and copies only the shards of its own
   devices, so a multi-host step needs no cross-host transfer for them.
   """
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves = [np.asarray(x) for x in leaves]
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = [shardings] * len(leaves)
+  elif callable(shardings):
+    shardings = [shardings(x.ndim) for x in leaves]
+  else:
+    shardings = jax.tree.leaves(shardings)
+  return jax.tree.unflatten(treedef, [jax.make_array_from_callback(x.shape, s, lambda idx, x=x: x[idx])
+                                      for x, s in zip(leaves, shardings)])
+
+
+def to_device(name: str, tree, shardings):
+  """`place` as the named crossing `name`."""
   with scope(name):
-    leaves, treedef = jax.tree.flatten(tree)
-    if isinstance(shardings, jax.sharding.Sharding):
-      shardings = [shardings] * len(leaves)
-    else:
-      shardings = jax.tree.leaves(shardings)
-
-    def place(x, sharding):
-      x = np.asarray(x)
-      return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
-
-    return jax.tree.unflatten(treedef, [place(x, s) for x, s in zip(leaves, shardings)])
+    return place(tree, shardings)
 
 
 def to_host(name: str, tree):

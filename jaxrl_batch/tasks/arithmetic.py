@@ -22,9 +22,9 @@ import os
 import ml_collections
 import numpy as np
 
+from jaxrl_batch.tasks.base import Problem
 from jaxrl_batch.text import spm_tokenizer
 from jaxrl_batch.text import tokenizer as tokenizer_lib
-from jaxrl_batch.tasks.base import Problem
 
 TOKENIZER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "arith.model")
 ALL_OPS = "+-"  # Operator codes for the held-out hash; fixed so membership never depends on the config.

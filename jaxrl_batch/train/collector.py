@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_batch.rl.advantages import zero_std_group_frac, zero_std_groups
 from jaxrl_batch.rl.overlong import overlong_penalty
 from jaxrl_batch.runtime import sharding, streams, transfer
 from jaxrl_batch.sampling import SamplingParams, generate
@@ -50,12 +51,6 @@ def _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data_3, *, max_n
 def _select(rounds, rows_B):
   """Rows `rows_B` of the rounds' arrays concatenated along the batch (round r's row i is r * B + i)."""
   return jax.tree.map(lambda *xs: jnp.take(jnp.concatenate(xs), rows_B, axis=0), *rounds)
-
-
-def zero_spread_groups(rewards_B: np.ndarray, group_size: int) -> np.ndarray:
-  """bool_G on the host: the group's rewards are all exactly equal (`rl.advantages.zero_std_groups` on device)."""
-  rewards_GxK = np.asarray(rewards_B, np.float32).reshape(-1, group_size)
-  return rewards_GxK.max(axis=1) == rewards_GxK.min(axis=1)
 
 
 class Collector:
@@ -101,7 +96,7 @@ class Collector:
     for r in range(algo.max_sampling_rounds if algo.dynamic_sampling else 1):
       out = self._round(graphdef, params, step, r)
       rounds.append(out)
-      informative_G = ~zero_spread_groups(out["task_rewards_B"], g) if algo.dynamic_sampling else np.ones(p, bool)
+      informative_G = ~zero_std_groups(out["task_rewards_B"], g) if algo.dynamic_sampling else np.ones(p, bool)
       kept += [(r, i) for i in np.flatnonzero(informative_G)]
       dropped += [(r, i) for i in np.flatnonzero(~informative_G)]
       if len(kept) >= p:
@@ -122,15 +117,20 @@ class Collector:
                                                algo.overlong_penalty)
     elif algo.overlong == "mask":
       trained_B = trained_B & ~truncated_B
-    trained_host_B = trained_B
     mesh = self.exp.mesh
     replicated, batch_1d = sharding.replicated(mesh), sharding.batch_sharding(mesh, 1)
-    rewards_B, trained_B, rows_B, kl_coef, orders = transfer.to_device(
-        "rewards", (rewards_B.astype(np.float32), trained_B, rows_B, np.float32(kl_coef), orders),
-        (batch_1d, batch_1d, replicated, replicated, [replicated] * len(orders)))
-    with jax.set_mesh(mesh):
-      selected = _select([out["device"] for out in rounds], rows_B)
-    rollouts = Rollouts(*selected, rewards_B, trained_B)
+    # One round kept whole (always so without dynamic sampling): its arrays are the step's, no gather needed.
+    whole = len(rounds) == 1 and np.array_equal(rows_B, np.arange(b))
+    uploaded = transfer.to_device(
+        "rewards", (rewards_B.astype(np.float32), trained_B, np.float32(kl_coef), orders, () if whole else rows_B),
+        (batch_1d, batch_1d, replicated, [replicated] * len(orders), () if whole else replicated))
+    device_rewards_B, device_trained_B, device_kl_coef, device_orders, device_rows_B = uploaded
+    if whole:
+      selected = rounds[0]["device"]
+    else:
+      with jax.set_mesh(mesh):
+        selected = _select([out["device"] for out in rounds], device_rows_B)
+    rollouts = Rollouts(*selected, device_rewards_B, device_trained_B)
     every = {k: np.concatenate([out[k] for out in rounds]) for k in ("task_rewards_B", "lengths_B", "truncated_B")}
     stats = dict(rollout_s=sum(out["rollout_s"] for out in rounds), reward_s=sum(out["reward_s"] for out in rounds),
                  samples_generated=len(every["task_rewards_B"]),
@@ -138,7 +138,7 @@ class Collector:
                  reward_std=float(every["task_rewards_B"].std()),
                  response_len_mean=float(every["lengths_B"].mean()),
                  truncated_frac=float(every["truncated_B"].mean()),
-                 zero_std_group_frac=float(zero_spread_groups(every["task_rewards_B"], g).mean()) if g > 1 else 0.0,
+                 zero_std_group_frac=float(zero_std_group_frac(every["task_rewards_B"], g)) if g > 1 else 0.0,
                  reward_errors=int(sum(out["errors"] for out in rounds)),
-                 trained_samples=int(trained_host_B.sum()))
-    return rollouts, kl_coef, orders, stats
+                 trained_samples=int(trained_B.sum()))
+    return rollouts, device_kl_coef, device_orders, stats

@@ -2,10 +2,10 @@
 import jax
 
 from jaxrl_batch.runtime.distributed import to_host
+from jaxrl_batch.runtime.sharding import data_parallel_size
+from jaxrl_batch.sampling import SamplingParams, generate
 from jaxrl_batch.tasks.rewards import safe_rewards
 from jaxrl_batch.train.setup import Experiment
-from jaxrl_batch.sampling import SamplingParams, generate
-from jaxrl_batch.runtime.sharding import data_parallel_size
 
 
 def eval_accuracy(exp: Experiment, graphdef, params) -> float:

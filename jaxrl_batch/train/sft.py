@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxrl_batch.rl.batch import sequence_logprobs
+from jaxrl_batch.rl.losses import masked_token_sum_mean
 from jaxrl_batch.runtime import streams
 from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.train.evaluation import eval_accuracy
 from jaxrl_batch.train.setup import Experiment
-from jaxrl_batch.rl.batch import sequence_logprobs
-from jaxrl_batch.rl.losses import masked_token_sum_mean
 
 
 def sft_arrays(exp: Experiment, problems, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

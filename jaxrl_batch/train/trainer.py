@@ -25,14 +25,11 @@ from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
 from jaxrl_batch.rl.update import Models
 from jaxrl_batch.runtime import transfer
-from jaxrl_batch.train import rundir, sft
 from jaxrl_batch.runtime.checkpointing import Checkpointer
+from jaxrl_batch.train import rundir, sft
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.evaluation import eval_accuracy
 from jaxrl_batch.train.setup import Experiment
-
-# Kept importable here: the config check of a resumed run.
-config_diff, RESUMABLE_FIELDS = rundir.config_diff, rundir.RESUMABLE_FIELDS
 
 
 def _json_config(config: ml_collections.ConfigDict) -> dict:
@@ -105,10 +102,10 @@ class Trainer:
     row.update(update_s=time.time() - t0, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef)
     return state, row, dict(stats, **out)
 
-  def _flush(self) -> dict | None:
-    """Fetches the pending step's metrics, checks them and writes its row; returns the row (None if none)."""
+  def _flush(self) -> None:
+    """Fetches the pending step's metrics (if any), checks them and writes its row."""
     if self._pending is None:
-      return None
+      return
     row, device = self._pending
     self._pending = None
     out = transfer.to_host("metrics", device)
@@ -129,7 +126,6 @@ class Trainer:
     row.setdefault("logp_gap_mean", out.get("logp_gap"))  # Sampler vs trainer, before this step's updates.
     self.kl.update(row["kl"], row.pop("trained_samples"))
     self.metrics.write(row)
-    return row
 
   def _noise_scale(self, out) -> float | None:
     """B_simple in rollouts (EMA over steps); None without micro-batching (it needs two batch sizes) or while the
@@ -166,15 +162,17 @@ class Trainer:
     logging.info("%s", self.member.describe())
     self.check_workdir()
     os.makedirs(self.workdir, exist_ok=True)
-    self.graphdef, base_params, base_dir = sft.load_or_train(exp)
+    with transfer.scope("base_policy"):  # The warm start (trained or restored) moves whole trees.
+      self.graphdef, base_params, base_dir = sft.load_or_train(exp)
     # The reference policy is held only when a KL term exists.
     self.ref_params = jax.tree.map(lambda x: x.copy(), base_params) if algo.use_kl else None
     self.checkpointer = Checkpointer(rundir.checkpoints_dir(self.workdir))
     state = self._initial_state(base_params)
     progress = dict(step=0, samples=0, samples_generated=0, wall_s=0.0, kl_coef=algo.kl_coef)
     if self.checkpointer.latest_step() is not None:
-      state, meta = self.checkpointer.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=x.sharding), state))
+      with transfer.scope("restore"):
+        state, meta = self.checkpointer.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding), state))
       progress.update(meta)
       self.metrics.truncate_after(progress["step"])
       logging.info("Resuming from step %d (%d samples, %.0fs) in %s.", progress["step"], progress["samples"],
