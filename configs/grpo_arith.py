@@ -85,7 +85,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       temperature=1.0,  # Rollout temperature (the trainer scores log-probs at the same temperature).
       top_k=0,  # 0 = off.
       top_p=1.0,  # 1.0 = off.
-      attention_backend="auto",  # Decode attention: auto (pallas on GPU/TPU, else xla) | xla | pallas.
+      attention_backend="auto",  # Decode attention: auto (pallas on GPU, else xla; TPU: xla) | xla | pallas.
+      engine="static",  # static (one block, run to its longest response) | continuous (slots refilled as rows end).
+      slots=0,  # Sequences decoding at once per device (0 = the whole batch); static decodes blocks of this many.
+      chunk=16,  # Continuous engine: decode steps between two host syncs (one small transfer each way).
+  ))
+  c.rollout = ml_collections.ConfigDict(dict(
+      partial=False,  # Partial rollouts: slots never drain; unfinished sequences continue next step (continuous).
+      partial_budget=0,  # Decode steps a step runs at least before it stops (it stops once B rollouts are complete).
+      max_lookahead=1,  # Prompts of up to this many steps ahead may start decoding while a step's batch completes.
   ))
   c.extra_response_tokens = 2  # Response budget beyond the longest correct answer (+EOS); longer = truncated.
 

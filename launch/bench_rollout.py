@@ -1,28 +1,48 @@
-r"""Rollout throughput vs concurrency: prefill and decode speed of `sampling.generate`, against the roofline.
+r"""Rollout throughput of the static and continuous engines (`sampling.rollout`): prefill and decode speed vs
+concurrency and response-length distribution, against the roofline.
 
-  python -m launch.bench_rollout                          # reference CPU shape, concurrency 1..64
+  python -m launch.bench_rollout                          # reference CPU shape, concurrency 1..64, static engine
   python -m launch.bench_rollout --concurrency=1,8,64 --compare_hf
   python -m launch.bench_rollout --concurrency=8 --max_len=4096 --out=/tmp/bench_4096.json
+  python -m launch.bench_rollout --engine=static,continuous --length_dist=lognormal:128:1024 --rollouts=512 \
+    --slots=64 --prompt_len=16 --out=/tmp/bench_engines.json   # 512 long-tailed requests on 64 slots
+  python -m launch.bench_rollout --engine=static,continuous --length_dist=lognormal:128:1024 --rollouts=512 \
+    --slots=64 --prompt_len=16 --partial_budget=128   # + partial rollouts in steady state, 128 decode steps a step
 
 Random weights (N(0, 0.02), unit norm scales); prompts of --prompt_len random tokens; exactly --new_tokens tokens per
 row. With --max_len above prompt_len + new_tokens the token budget is max_len - prompt_len and the model is forced to
-emit EOS as its --new_tokens-th token, so the decode cost should stay that of --new_tokens tokens. What is timed and
-how the roofline is computed: `jaxrl_batch.sampling.benchmark` and `jaxrl_batch.sampling.roofline`. --compare_hf runs
-transformers' `generate` (torch, imported only then) on the same weights (`jaxrl_batch.hf.side_by_side`).
+emit EOS as its --new_tokens-th token, so the decode cost should stay that of --new_tokens tokens. With
+--length_dist each request stops exactly at its own length drawn from it (`benchmark.draw_lengths`: lognormal of
+sigma 1 whose mean before clipping to [1, MAX] is MEAN; the record gives the drawn lengths' mean and max).
 
-Writes --out (JSON, rewritten after each concurrency, so a sweep cut short still reports): the settings, the
-machine's load (`os.getloadavg()` at the start and end), the rates measured before the sweep (`machine`), and one
-record per concurrency (`benchmark.sweep`).
+Each point decodes R requests on S slots, once per --engine (one record each): R = S = each --concurrency, or
+R = --rollouts on each of --slots; the static engine in blocks of S rows run to their longest response, the
+continuous one keeping S sequences in flight (--chunk decode steps per host sync). What is timed and how the roofline
+is computed: `jaxrl_batch.sampling.benchmark` and `jaxrl_batch.sampling.roofline`. --compare_hf runs transformers'
+`generate` (torch, imported only then) on the same weights (`jaxrl_batch.hf.side_by_side`).
+
+Writes --out (JSON, rewritten after each point, so a sweep cut short still reports): the settings, the machine's load
+(`os.getloadavg()` at the start and end), the rates measured before the sweep (`machine`), and per point one record
+per engine (`benchmark.sweep`), the continuous engine's with decode_speedup_vs_static; with --partial_budget one
+"partial" record more (`sampling.steady_state`).
 """
 import dataclasses
 import json
 
 from absl import app, flags, logging
 
-from jaxrl_batch.sampling.benchmark import Settings, sweep
+from jaxrl_batch.sampling.benchmark import MODES, Settings, sweep
 from launch import logs
 
-flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32", "64"], "Rows decoded together, one run each.")
+flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32", "64"],
+                  "Rows decoded together, one point each (without --rollouts).")
+flags.DEFINE_list("engine", ["static"], f"Engines measured at each point, one record each: of {MODES}.")
+flags.DEFINE_integer("chunk", 16, "Decode steps per host sync of the continuous engine.")
+flags.DEFINE_string("length_dist", "", "Response lengths: 'fixed:N' or 'lognormal:MEAN:MAX' ('' = --new_tokens).")
+flags.DEFINE_integer("rollouts", 0, "Requests per point, decoded on each of --slots (0 = --concurrency).")
+flags.DEFINE_list("slots", [], "Slots of each point with --rollouts (replacing --concurrency).")
+flags.DEFINE_integer("partial_budget", 0, "> 0: also emulate partial rollouts in steady state, this many decode "
+                     "steps per RL step (needs --length_dist and --rollouts).")
 flags.DEFINE_integer("d_model", 768, "Model width D.")
 flags.DEFINE_integer("num_layers", 8, "Decoder blocks L.")
 flags.DEFINE_integer("num_heads", 12, "Query heads N.")
@@ -33,8 +53,8 @@ flags.DEFINE_integer("vocab_size", 32000, "Vocabulary V.")
 flags.DEFINE_bool("tie_embeddings", False, "Reuse the embedding table as the output head.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and activation dtype.")
 flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per row.")
-flags.DEFINE_integer("new_tokens", 64, "Tokens generated per row.")
-flags.DEFINE_integer("max_len", 0, "Cache length: prompt_len + token budget (0 = prompt_len + new_tokens).")
+flags.DEFINE_integer("new_tokens", 64, "Tokens generated per row (without --length_dist).")
+flags.DEFINE_integer("max_len", 0, "Cache length: prompt_len + token budget (0 = prompt_len + longest response).")
 flags.DEFINE_integer("group_size", 1, "Rows per distinct prompt, prefilled once (generate's group_size).")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
 flags.DEFINE_enum("backend", "auto", ["auto", "xla", "pallas"], "Decode attention backend.")
@@ -42,22 +62,24 @@ flags.DEFINE_bool("compare_hf", False, "Also time Hugging Face transformers' gen
 flags.DEFINE_integer("repeats", 3, "Timed runs per measurement (the best is kept).")
 flags.DEFINE_integer("bandwidth_mb", 512, "Array size of the memory bandwidth measurement.")
 flags.DEFINE_integer("matmul_size", 2048, "Side of the square matmul of the FLOP rate measurement.")
-flags.DEFINE_integer("seed", 0, "Seed of the weights and prompts.")
+flags.DEFINE_integer("seed", 0, "Seed of the weights, prompts and lengths.")
 flags.DEFINE_string("out", "bench_rollout.json", "Output JSON path.")
 
 
 def settings_from_flags() -> Settings:
   values = {f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Settings)}
-  return Settings(**dict(values, concurrency=tuple(int(b) for b in values["concurrency"])))
+  return Settings(**dict(values, concurrency=tuple(int(b) for b in values["concurrency"]),
+                         engine=tuple(values["engine"]), slots=tuple(int(s) for s in values["slots"])))
 
 
 def run(s: Settings, out: str) -> dict:
-  """Sweeps `s.concurrency`, writing the report to `out` after every concurrency; returns it."""
-  report = {}
+  """Sweeps `s.points()`, writing the report to `out` after every point; returns it."""
+  report, logged = {}, 0
   for report in sweep(s):
-    record = report["results"][-1]
-    logging.info("B=%d %s", record["concurrency"],
-                 " ".join(f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, float)))
+    for record in report["results"][logged:]:
+      logging.info("%s S=%d R=%d %s", record["engine"], record["slots"], record["rollouts"],
+                   " ".join(f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, float)))
+    logged = len(report["results"])
     with open(out, "w") as f:
       json.dump(report, f, indent=2)
   return report
@@ -67,7 +89,7 @@ def main(argv):
   del argv
   logs.setup()
   report = run(settings_from_flags(), flags.FLAGS.out)
-  logging.info("Wrote %s (%d concurrencies, load %s).", flags.FLAGS.out, len(report["results"]), report["load_avg"])
+  logging.info("Wrote %s (%d records, load %s).", flags.FLAGS.out, len(report["results"]), report["load_avg"])
 
 
 if __name__ == "__main__":

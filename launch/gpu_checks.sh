@@ -3,7 +3,10 @@
 #   1. tests/test_decode_attention.py on the GPU: both decode attention backends against the reference, the Pallas
 #      kernel compiled by Triton, not interpreted (JAXRL_PALLAS_INTERPRET=0; shapes Triton cannot compile are skipped);
 #   2. the rollout sweep (launch/bench_rollout.py) with --backend=pallas, then --backend=xla, at a Qwen2.5-0.5B-like
-#      bf16 shape (hidden 896, 24 layers, 14 query / 2 KV heads, head_dim 64, MLP 4864, vocab 151936, tied head).
+#      bf16 shape (hidden 896, 24 layers, 14 query / 2 KV heads, head_dim 64, MLP 4864, vocab 151936, tied head);
+#   3. the engine sweep at that shape (pallas): 512 requests of lognormal:128:1024 lengths on 64, then 256 slots, the
+#      static engine (blocks run to their longest) against the continuous one (decode_speedup_vs_static); one timed
+#      run each (~2 min estimated; the JSON is rewritten after each slot count, so a timeout still reports 64).
 # Logs and JSON go to $OUT (default ./gpu_out). Every step runs even if an earlier one failed; the exit status is
 # non-zero if any failed.
 #   OUT=/tmp/gpu_out bash launch/gpu_checks.sh
@@ -37,4 +40,8 @@ for backend in pallas xla; do
   step "bench_$backend" timeout 150 python -m launch.bench_rollout "${QWEN_0_5B[@]}" "${SWEEP[@]}" \
     --backend="$backend" --out="$OUT/bench_$backend.json"
 done
+ENGINES=(--engine=static,continuous --length_dist=lognormal:128:1024 --rollouts=512 --slots=64,256 --chunk=16
+         --prompt_len=32 --repeats=1 --bandwidth_mb=2048 --matmul_size=8192)
+step bench_engines timeout 240 python -m launch.bench_rollout "${QWEN_0_5B[@]}" "${ENGINES[@]}" --backend=pallas \
+  --out="$OUT/bench_engines.json"
 exit "$failed"

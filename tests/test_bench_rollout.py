@@ -1,13 +1,17 @@
 """launch.bench_rollout at a tiny shape: the report's fields over two concurrencies in the token-budget mode (forced
 EOS, sampled), and, where torch and transformers are installed, the side-by-side with Hugging Face generate; the
-step roofline against a hand count."""
+static and continuous engines on long-tailed lengths (same tokens, the continuous one's slots busier) and on fixed
+ones (no idle slot in one block); the length distributions and the settings refused; the step roofline against a
+hand count."""
+import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 
 from jaxrl_batch.model import ModelConfig
-from jaxrl_batch.sampling.benchmark import Settings
+from jaxrl_batch.sampling.benchmark import Settings, draw_lengths, sweep
 from jaxrl_batch.sampling.roofline import step_roofline
 from launch import bench_rollout
 
@@ -17,6 +21,9 @@ TINY = Settings(concurrency=(1, 2), d_model=32, num_layers=2, num_heads=4, num_k
 TIMED = ("decode_tok_s", "decode_step_ms", "roofline_fraction")
 POSITIVE = ("prefill_tok_s", "tok_s", "weight_bytes", "kv_bytes", "flops", "memory_roofline_ms", "compute_roofline_ms",
             "roofline_ms")
+
+
+ENGINES = {"engine": ("static", "continuous"), "chunk": 4, "repeats": 1}
 
 
 def _check(report, out, concurrency):
@@ -46,6 +53,69 @@ def test_side_by_side_with_hugging_face(tmp_path):
   record = report["results"][0]
   assert record["hf_prefill_tok_s"] > 0 and math.isfinite(record["decode_speedup_vs_hf"])
   assert record["hf_same_tokens"] == 1.0  # same weights, greedy: the same tokens
+
+
+def test_engines_on_long_tailed_lengths(tmp_path):
+  # 16 requests on 4 slots: the static engine runs 4 blocks to their longest, the continuous one refills slots.
+  out = tmp_path / "bench.json"
+  s = dataclasses.replace(TINY, **ENGINES, length_dist="lognormal:6:24", rollouts=16, slots=(4,))
+  report = bench_rollout.run(s, str(out))
+  _check(report, out, (4, 4))
+  static, continuous = report["results"]
+  lengths = draw_lengths("lognormal:6:24", 16, TINY.seed)
+  assert lengths.max() > 2 * lengths.min()  # long-tailed: blocks idle
+  for record, engine in ((static, "static"), (continuous, "continuous")):
+    assert record["engine"] == engine and record["length_dist"] == "lognormal:6:24"
+    assert (record["slots"], record["rollouts"]) == (4, 16)
+    assert (record["length_mean"], record["length_max"]) == (lengths.mean(), lengths.max())
+    assert record["decoded"] == lengths.sum() - 16  # every token but each request's first
+  assert static["chunks"] == 0 and continuous["chunks"] > 0
+  assert continuous["same_tokens_vs_static"] == 1.0  # greedy, exact lengths: the same rollout
+  assert static["slot_steps"] == sum(4 * (lengths[i:i + 4].max() - 1) for i in range(0, 16, 4))  # 4 blocks
+  assert continuous["useful_token_frac"] > static["useful_token_frac"]
+  assert continuous["slot_steps"] < static["slot_steps"] and continuous["slot_steps"] % 4 == 0
+  assert math.isfinite(continuous["decode_speedup_vs_static"]) and "decode_speedup_vs_static" not in static
+
+
+def test_partial_rollouts_in_steady_state(tmp_path):
+  # 48 long-tailed requests on 4 slots, steps of 6 decode steps: sequences are carried over and re-prefilled, and
+  # the steady-state steps keep more of the slot-steps busy than the static engine's blocks.
+  out = tmp_path / "bench.json"
+  s = dataclasses.replace(TINY, **ENGINES, length_dist="lognormal:6:24", rollouts=48, slots=(4,), partial_budget=6)
+  report = bench_rollout.run(s, str(out))
+  static, _, partial = report["results"]
+  assert partial["engine"] == "partial" and partial["steady_steps"] > 0 and partial["carried_mean"] > 0
+  assert partial["useful_token_frac"] > static["useful_token_frac"]
+  assert partial["slot_steps"] % 4 == 0 and partial["decoded"] <= partial["slot_steps"]
+  assert math.isfinite(partial["decode_speedup_vs_static"]) and partial["decode_tok_s"] > 0
+
+
+def test_fixed_lengths_leave_no_slot_idle(tmp_path):
+  out = tmp_path / "bench.json"
+  report = bench_rollout.run(dataclasses.replace(TINY, **ENGINES, concurrency=(3,), length_dist="fixed:6"), str(out))
+  _check(report, out, (3, 3))
+  for record in report["results"]:  # one block of 3 rows, 5 decode steps
+    assert (record["rollouts"], record["length_mean"], record["decoded"]) == (3, 6, 15), record
+    assert record["useful_token_frac"] == 1.0 and record["live_len"] == TINY.prompt_len + 3
+
+
+def test_length_distributions():
+  fixed = draw_lengths("fixed:7", 5, 0)
+  assert fixed.tolist() == [7] * 5
+  lognormal = draw_lengths("lognormal:50:100000", 20000, 0)
+  np.testing.assert_array_equal(lognormal, draw_lengths("lognormal:50:100000", 20000, 0))  # seeded
+  assert lognormal.mean() == pytest.approx(50, rel=0.05) and lognormal.min() >= 1  # the mean before clipping
+  clipped = draw_lengths("lognormal:50:60", 20000, 0)
+  assert clipped.max() == 60 and clipped.mean() < lognormal.mean()
+
+
+@pytest.mark.parametrize("change", [{"rollouts": 8}, {"slots": (2,)}, {"engine": ("paged",)},
+                                    {"engine": ("static", "static")}, {"length_dist": "lognormal:5"},
+                                    {"length_dist": "fixed:1"}, {"rollouts": 6, "slots": (4,)},
+                                    {"length_dist": "fixed:4", "compare_hf": True}, {"partial_budget": 4}])
+def test_settings_refused(change):
+  with pytest.raises(ValueError):
+    next(sweep(dataclasses.replace(TINY, **change)))
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -113,7 +113,7 @@ def test_decode_backend_picks_the_attention(model, decode_backend):
   span = DecodeSpan(jnp.zeros(2, jnp.int32), jnp.full((2,), 3))
   jaxpr = str(jax.make_jaxpr(lambda cache: net(_tokens(2, 1), jnp.full((2, 1), 2), span, cache, 2,
                                                decode_backend=decode_backend))(KVCache.zeros(CFG, 2, 4)))
-  calls = jaxpr.count("name=decode_attention_pallas")  # one call per layer of a jitted kernel printed once
+  calls = jaxpr.count("platform_index[")  # per layer, the kernel's forms by platform (interpret, Triton)
   assert (calls, "pallas_call" in jaxpr) == ((CFG.num_layers, True) if decode_backend == "pallas" else (0, False))
 
 

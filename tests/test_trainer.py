@@ -102,6 +102,40 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkey
     np.testing.assert_allclose([r.get(key, -1) for r in a], [r.get(key, -1) for r in b], rtol=1e-5, err_msg=key)
 
 
+PARTIAL = {"sampling.engine": "continuous", "sampling.slots": 4, "sampling.chunk": 2, "rollout.partial": True}
+
+
+def test_partial_rollouts_carried_across_a_kill_resume_to_the_same_result(tmp_path, base_cache, monkeypatch):
+  # Rewards that spread within groups (the debug policy earns 0 on the task), so the policy moves between steps
+  # and the carried sequences continue under new weights.
+  from jaxrl_batch.tasks.arithmetic import ArithmeticTask
+  monkeypatch.setattr(ArithmeticTask, "reward", lambda self, completion, problem: len(completion) % 3 / 2)
+  straight = str(tmp_path / "straight")
+  Trainer(debug_config(base_cache, **PARTIAL), straight, devices=ONE_DEVICE).run()
+  resumed = str(tmp_path / "resumed")
+  original = Trainer._train_step
+  def crash_at_step_3(self, state, step):
+    if step == 3:
+      raise KeyboardInterrupt("simulated kill")
+    return original(self, state, step)
+  monkeypatch.setattr(Trainer, "_train_step", crash_at_step_3)
+  with pytest.raises(KeyboardInterrupt):
+    Trainer(debug_config(base_cache, **PARTIAL), resumed, devices=ONE_DEVICE).run()
+  monkeypatch.setattr(Trainer, "_train_step", original)
+  Trainer(debug_config(base_cache, **PARTIAL), resumed, devices=ONE_DEVICE).run()
+
+  a, b = read_rows(straight), read_rows(resumed)
+  train = [r for r in a if "reward_mean" in r]
+  assert [r["samples"] for r in train] == [32 * s for s in range(1, 7)]  # B rollouts trained per step
+  assert train[1]["carried_over"] > 0  # the checkpoint at step 2 holds sequences in flight
+  assert max(r["policy_lag_max"] for r in train) >= 1 and max(r["partial_frac"] for r in train) > 0
+  assert all(r["grad_norm"] > 0 for r in train)
+  assert [r["step"] for r in a] == [r["step"] for r in b]
+  for key in ("reward_mean", "response_len_mean", "grad_norm", "eval_accuracy", "samples", "samples_generated",
+              "policy_lag_mean", "policy_lag_max", "partial_frac", "carried_over", "useful_token_frac"):
+    np.testing.assert_allclose([r.get(key, -1) for r in a], [r.get(key, -1) for r in b], rtol=1e-5, err_msg=key)
+
+
 def test_incompatible_workdir_is_refused_without_changes(tmp_path, base_cache):
   workdir = str(tmp_path / "run")
   Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
@@ -142,12 +176,28 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, ba
     ({"model.num_kv_heads": 3}, "multiple of model.num_kv_heads=3"),
     ({"optim.lr_rule": "cubic"}, "cubic"),
     ({"tokenizer_path": "/nonexistent/x.model"}, "x.model"),
+    ({"rollout.partial": True}, "set sampling.engine='continuous'"),
+    ({"sampling.engine": "paged"}, "sampling.engine must be one of"),
+    ({**PARTIAL, "rl.dynamic_sampling": True}, "does not combine with rl.dynamic_sampling"),
 ])
 def test_bad_config_is_refused_before_anything_is_written(tmp_path, base_cache, overrides, message):
   workdir = tmp_path / "run"
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     Trainer(debug_config(base_cache, **overrides), str(workdir), devices=ONE_DEVICE)
   assert not workdir.exists()
+
+
+def test_a_rollout_cache_that_cannot_fit_is_refused_with_its_size(tmp_path, base_cache, monkeypatch):
+  from jaxrl_batch.runtime import memory
+  monkeypatch.setattr(memory, "free_bytes", lambda device: 1 << 20)  # 1 MiB free
+  workdir = tmp_path / "run"
+  config = debug_config(base_cache, **{"sampling.engine": "continuous", "sampling.slots": 4096})
+  with pytest.raises(ValueError, match=r"needs \d+\.\d+ GiB per device \(4096 sequences x .* 0\.00 GiB free\. Lower "
+                                       "sampling.slots"):
+    Trainer(config, str(workdir), devices=ONE_DEVICE)
+  assert not workdir.exists()
+  Trainer(debug_config(base_cache, **{"sampling.engine": "continuous", "sampling.slots": 4}), str(workdir),
+          devices=ONE_DEVICE)  # 4 slots fit in 1 MiB
 
 
 def test_batch_must_split_over_data_parallel_devices(tmp_path, base_cache):
@@ -241,7 +291,9 @@ def named_transfers_only():
     (grpo_arith, {}),
     (ppo_arith, {}),  # 2 epochs x 2 mini-batches; the first step trains the critic only.
     (grpo_arith, {"rl.dynamic_sampling": True, "rl.kl_coef": 0.05, "rl.kl_target": 0.01, "rl.mini_batches": 2}),
-], ids=["grpo", "ppo", "grpo_dynamic_adaptive_kl"])
+    (grpo_arith, {"sampling.engine": "continuous", "sampling.slots": 4}),
+    (grpo_arith, PARTIAL),
+], ids=["grpo", "ppo", "grpo_dynamic_adaptive_kl", "grpo_continuous", "grpo_partial"])
 def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, overrides):
   config = debug_config(base_cache, module, sample_budget=128, eval_every_samples=0, checkpoint_every_samples=0,
                         **overrides)
@@ -259,4 +311,11 @@ def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, over
   steps, rounds = len(rows), sum(r["sampling_rounds"] for r in rows)
   assert steps == 4 and all(r["reward_std"] > 0 for r in rows)
   # Per sampling round: prompts up, tokens down; per step: rewards up, metrics down; evaluation at 0 and at the end.
-  assert counts == dict(prompts=rounds, tokens=rounds, rewards=steps, metrics=steps, eval=2, checkpoint=1)
+  expected = dict(prompts=rounds, tokens=rounds, rewards=steps, metrics=steps, eval=2, checkpoint=1)
+  if "sampling.engine" in overrides:  # one small upload and download per chunk; re-prefills of carried sequences
+    chunks = sum(r["rollout_chunks"] for r in rows)
+    expected.update(admit=chunks, slots=chunks)
+    if "rollout.partial" in overrides:
+      expected["resume"] = sum(r["carried_over"] > 0 for r in rows[:-1])
+      assert expected["resume"] > 0
+  assert counts == expected

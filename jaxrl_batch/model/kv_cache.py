@@ -27,6 +27,12 @@ class KVCache(NamedTuple):
     return cls(tuple(jnp.zeros((b, kv, h, length), dtype) for _ in range(cfg.num_layers)),
                tuple(jnp.zeros((b, kv, length, h), dtype) for _ in range(cfg.num_layers)))
 
+  @staticmethod
+  def bytes_for(cfg: ModelConfig, batch: int, length: int, dtype=None) -> int:
+    """Bytes of a cache of `batch` sequences x `length` slots: L layers x (keys + values) x K x H x length."""
+    itemsize = jnp.dtype(dtype or cfg.compute_dtype).itemsize
+    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * length * itemsize
+
   @property
   def length(self) -> int:
     """S, the slots per sequence."""
@@ -43,7 +49,10 @@ class KVCache(NamedTuple):
     return KVCache(*(tuple(jnp.repeat(x, repeats, axis=0) for x in layers) for layers in self))
 
   def write(self, layer: int, index, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> "KVCache":
-    """Writes T new keys/values of one layer at slots index..index+T-1 (in place under jit)."""
+    """Writes T new keys/values of one layer at slots index..index+T-1 (in place under jit). `index` is an int
+    scalar, or for T == 1 an int array (B,) of each row's own slot (the continuous engine's slots)."""
+    if jnp.ndim(index) == 1:
+      return self._write_rows(layer, index, k_BxTxKxH, v_BxTxKxH)
 
     def put(layers, new, start):
       updated = jax.lax.dynamic_update_slice(layers[layer], new.astype(layers[layer].dtype), start)
@@ -51,3 +60,14 @@ class KVCache(NamedTuple):
 
     return KVCache(put(self.k_layers, jnp.transpose(k_BxTxKxH, (0, 2, 3, 1)), (0, 0, 0, index)),
                    put(self.v_layers, jnp.swapaxes(v_BxTxKxH, 1, 2), (0, 0, index, 0)))
+
+  def _write_rows(self, layer: int, index_B, k_Bx1xKxH: jax.Array, v_Bx1xKxH: jax.Array) -> "KVCache":
+    """One key/value per row b at its slot index_B[b]: a scatter of B x K x H elements per array."""
+    if k_Bx1xKxH.shape[1] != 1:
+      raise ValueError(f"per-row cache slots take one token per row, got {k_Bx1xKxH.shape[1]}.")
+    rows_B = jnp.arange(k_Bx1xKxH.shape[0])
+    k, v = self.k_layers[layer], self.v_layers[layer]
+    k = k.at[rows_B, :, :, index_B].set(k_Bx1xKxH[:, 0].astype(k.dtype))
+    v = v.at[rows_B, :, index_B, :].set(v_Bx1xKxH[:, 0].astype(v.dtype))
+    return KVCache((*self.k_layers[:layer], k, *self.k_layers[layer + 1:]),
+                   (*self.v_layers[:layer], v, *self.v_layers[layer + 1:]))

@@ -77,7 +77,8 @@ class Attention(nnx.Module):
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None,
                decode_backend: str | None = None):
     """Without a cache S == T. With a `KVCache`, the T new keys/values are written in place into layer `layer` at
-    slots cache_index..cache_index+T-1 and the queries attend over its S slots.
+    slots cache_index..cache_index+T-1 (for T == 1 `cache_index` may be an int (B,), each row's slot) and the
+    queries attend over its S slots.
 
     `decode_backend` None: `mask_BxTxS` is a dense bool mask, read by `attend`. "xla" or "pallas" (static): a
     cached one-token step (T == 1) whose `mask_BxTxS` is a `masks.DecodeSpan`, read by that backend of

@@ -56,7 +56,7 @@ class Transformer(nnx.Module):
       mask_BxTxS: bool, query t may attend key s (`masks.causal_mask` without a cache, `masks.cache_mask` with);
         for a decode step (`decode_backend` set) the `masks.DecodeSpan` of the cache slots attended.
       cache: optional KV cache; the new keys/values are written at slots cache_index..cache_index+T-1.
-      cache_index: int scalar, first cache slot written.
+      cache_index: int scalar, first cache slot written; or for a one-token step an int (B,), each row's slot.
       decode_backend: None, or for a cached one-token step (T == 1) the static `kernels.decode_attention` backend
         ("xla" or "pallas") that reads the span.
     Returns:

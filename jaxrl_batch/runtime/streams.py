@@ -44,6 +44,15 @@ def sampling_key_data(seed: int, step: int, round_: int) -> np.ndarray:
   return np.array([seed, step, round_], np.int32)
 
 
+PARTIAL_STEP = -1  # The step id of the partial rollouts' key: no step of a run has it.
+
+
+def partial_key_data(seed: int) -> np.ndarray:
+  """(3,) int32 host data of the partial rollouts' one key (`train.partial`): its draws are folded by request and
+  token index, not by step, so a sequence carried across steps keeps its draws."""
+  return sampling_key_data(seed, PARTIAL_STEP, 0)
+
+
 def sampling_key(data_3: jax.Array) -> jax.Array:
   """The sampling key of `sampling_key_data` (traceable): fold_in(key(seed), step), then round if >= 1."""
   key = jax.random.fold_in(jax.random.key(data_3[0]), data_3[1])

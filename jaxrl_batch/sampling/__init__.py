@@ -1,5 +1,8 @@
-"""KV-cache generation with greedy / temperature / top-k / top-p sampling; `benchmark` and `roofline` measure it."""
+"""KV-cache generation with greedy / temperature / top-k / top-p sampling by a static or a continuous engine;
+`benchmark` and `roofline` measure it."""
+from jaxrl_batch.sampling.continuous import EngineStats, generate_continuous
+from jaxrl_batch.sampling.engine import rollout, static_stats
 from jaxrl_batch.sampling.generate import Rollout, generate
 from jaxrl_batch.sampling.strategies import SamplingParams
 
-__all__ = ["Rollout", "SamplingParams", "generate"]
+__all__ = ["EngineStats", "Rollout", "SamplingParams", "generate", "generate_continuous", "rollout", "static_stats"]

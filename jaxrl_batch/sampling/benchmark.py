@@ -1,20 +1,37 @@
-"""Rollout throughput vs concurrency: prefill and decode speed of `generate` on random weights, against the roofline.
+"""Rollout throughput of the engines (`sampling.rollout`) on random weights: prefill and decode speed against the
+roofline, vs concurrency and, with long-tailed response lengths, static vs continuous batching.
 
-Prompts of `prompt_len` random tokens; exactly `new_tokens` tokens per row (the EOS id is one the model cannot
-produce). With `max_len` above prompt_len + new_tokens the token budget is max_len - prompt_len and the model is
-forced to emit EOS as its new_tokens-th token (`EosAt`), so the same tokens are generated under a larger budget: the
-decode cost should follow the tokens generated, not the budget.
+Prompts of `prompt_len` random tokens. Response lengths, exactly, by one of two modes:
+  new_tokens (no `length_dist`): every row generates `new_tokens` tokens (the EOS id is one the model cannot
+    produce). With `max_len` above prompt_len + new_tokens the token budget is max_len - prompt_len and the model is
+    forced to emit EOS as its new_tokens-th token (`EosAt`), so the same tokens are generated under a larger budget:
+    the decode cost should follow the tokens generated, not the budget.
+  length_dist: each request stops at its own length drawn from the distribution (`draw_lengths`, seeded by `seed`),
+    handed to the engine as its token budget (`budget_B`) with an EOS id the model cannot produce, so every engine
+    generates exactly the same tokens (when greedy).
 
-Per concurrency B (rows decoded together): the prefill time is that of a run with one new token, the decode time
-the rest of a full run; each is the best of `repeats` timed runs after a compiling one, the runs compared (ours and,
-with `compare_hf`, Hugging Face's) taking turns (`roofline.best_seconds`). The device's rates are measured before
-the sweep and after each concurrency, and a record's roofline (`roofline.step_roofline`, at the mean live length
-prompt_len + new_tokens / 2) uses the better of the two around its runs: other processes on the machine swing both
-by tens of percent. `roofline_fraction` = roofline ms / measured ms per decode step (1.0 = at the roofline).
+A measurement ("point") decodes R requests on S slots, once per engine of `engine` (one record each): R = S = each of
+`concurrency` (all rows in one block, as `generate` alone), or with `rollouts`, R = rollouts on each S of `slots`.
+static: `generate` over blocks of S rows, each run until its longest response ends; continuous: S sequences in
+flight, a finished one's slot taking the next request, in chunks of `chunk` decode steps per host sync.
+
+Per point and engine the prefill time is that of the same call with every budget 1 (the continuous engine's includes
+its R / S admission chunks), the decode time the rest of a full run; each is the best of `repeats` timed runs after
+a compiling one, every run of the point (each engine's and, with `compare_hf`, Hugging Face's) taking turns
+(`roofline.best_seconds`). The device's rates are measured before the sweep and after each point, and a record's
+roofline (`roofline.step_roofline`: a step of S rows at the mean live length, over the tokens decoded, of prompt_len
++ the response so far) uses the better of the two around its runs: other processes on the machine swing both by tens
+of percent. `roofline_fraction` = roofline ms / measured ms per decode step (1.0 = at the roofline); a step decodes
+S rows, live or not, so the useful work per step is `useful_token_frac` of it.
+
+With `partial_budget`, each point also gets a "partial" record: partial rollouts emulated in steady state over its
+requests (`steady_state`): steps of `partial_budget` decode steps, the sequences in flight carried over and
+re-prefilled, free slots refilled; its times include the re-prefills and cover only the steps whose queue did not
+run dry.
 """
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,16 +40,28 @@ from flax import nnx
 
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.runtime import sharding
-from jaxrl_batch.sampling.generate import generate
+from jaxrl_batch.sampling import steady_state
+from jaxrl_batch.sampling.continuous import EngineStats
+from jaxrl_batch.sampling.engine import rollout, static_stats
+from jaxrl_batch.sampling.generate import Rollout
 from jaxrl_batch.sampling.roofline import best_seconds, measure_machine, step_roofline
 from jaxrl_batch.sampling.strategies import SamplingParams
+
+LOGNORMAL_SIGMA = 1.0  # of log-length: mean 128 puts ~0.5% of draws above 1024, the longest of 64 near 860
+MODES = ("static", "continuous")  # the engines, one record kind each (`_engine`)
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """One benchmark run (the flags of `launch.bench_rollout`)."""
 
-  concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # rows decoded together, one measurement each
+  concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # rows decoded together, one point each (without rollouts)
+  engine: tuple[str, ...] = ("static",)  # engines measured at each point, one record each (MODES)
+  chunk: int = 16  # decode steps per host sync of the continuous engine
+  length_dist: str = ""  # response lengths, "fixed:N" or "lognormal:MEAN:MAX" ("" = new_tokens each)
+  rollouts: int = 0  # requests per point, decoded on each of `slots` (0 = concurrency requests on as many slots)
+  slots: tuple[int, ...] = ()  # slots of each point with rollouts (replacing concurrency)
+  partial_budget: int = 0  # > 0: also emulate partial rollouts in steady state, this many decode steps per step
   d_model: int = 768
   num_layers: int = 8
   num_heads: int = 12
@@ -43,16 +72,16 @@ class Settings:
   tie_embeddings: bool = False
   dtype: str = "float32"  # parameters and activations
   prompt_len: int = 32  # tokens per prompt
-  new_tokens: int = 64  # tokens generated per row
-  max_len: int = 0  # cache slots: prompt_len + token budget (0 = prompt_len + new_tokens)
+  new_tokens: int = 64  # tokens generated per row (without length_dist)
+  max_len: int = 0  # cache slots: prompt_len + token budget (0 = prompt_len + the longest response)
   group_size: int = 1  # rows per distinct prompt, prefilled once (generate's group_size)
   temperature: float = 0.0  # 0 = greedy
   backend: str = "auto"  # SamplingParams.attention_backend
-  compare_hf: bool = False  # also time transformers' generate (torch) on the same weights
+  compare_hf: bool = False  # also time transformers' generate (torch) on the same weights (new_tokens mode only)
   repeats: int = 3  # timed runs per measurement, the best kept
   bandwidth_mb: int = 512  # MiB, array of the bandwidth measurement
   matmul_size: int = 2048  # side of the square matmul of the FLOP rate measurement
-  seed: int = 0  # of the weights and prompts
+  seed: int = 0  # of the weights, prompts and lengths
 
   def model_config(self) -> ModelConfig:
     return ModelConfig(vocab_size=self.vocab_size, d_model=self.d_model, num_layers=self.num_layers,
@@ -61,9 +90,32 @@ class Settings:
                        param_dtype=self.dtype)
 
   @property
+  def longest(self) -> int:
+    """The longest response: new_tokens, or length_dist's N or MAX."""
+    return int(self.length_dist.split(":")[-1]) if self.length_dist else self.new_tokens
+
+  @property
   def budget(self) -> int:
-    """max_new_tokens passed to generate."""
-    return max(self.max_len - self.prompt_len, self.new_tokens)
+    """max_new_tokens passed to the engines."""
+    return max(self.max_len - self.prompt_len, self.longest)
+
+  def points(self) -> list[tuple[int, int]]:
+    """(requests R, slots S) of each point."""
+    return [(self.rollouts, s) for s in self.slots] if self.rollouts else [(b, b) for b in self.concurrency]
+
+
+def draw_lengths(spec: str, count: int, seed: int) -> np.ndarray:
+  """int64 (count,) response lengths in tokens: "fixed:N", N each; "lognormal:MEAN:MAX", round(exp(X)) with X ~
+  N(log MEAN - sigma^2 / 2, sigma^2), sigma = LOGNORMAL_SIGMA, clipped to [1, MAX]. MEAN is the mean before
+  rounding and clipping (the clip at MAX lowers it, the one at 1 raises it: measure the draw)."""
+  kind, *args = spec.split(":")
+  if kind == "fixed" and len(args) == 1 and int(args[0]) >= 1:
+    return np.full(count, int(args[0]), np.int64)
+  if kind == "lognormal" and len(args) == 2 and float(args[0]) > 0 and int(args[1]) >= 1:
+    mean, longest = float(args[0]), int(args[1])
+    x = np.random.default_rng([seed, 1]).normal(np.log(mean) - LOGNORMAL_SIGMA**2 / 2, LOGNORMAL_SIGMA, count)
+    return np.clip(np.rint(np.exp(x)), 1, longest).astype(np.int64)
+  raise ValueError(f"length_dist={spec!r}: 'fixed:N' (N >= 1) or 'lognormal:MEAN:MAX' (MEAN > 0, MAX >= 1).")
 
 
 class EosAt(nnx.Module):
@@ -115,45 +167,112 @@ def _prompts(s: Settings, batch: int) -> np.ndarray:
   return np.repeat(rng.integers(0, s.vocab_size, (batch // s.group_size, s.prompt_len)), s.group_size, axis=0)
 
 
-def _ours(s: Settings, graphdef, params, eos_id: int, prompt_BxP: np.ndarray):
-  """`run(max_new_tokens)` -> Rollout of `generate` on the unpadded prompts."""
+Run = Callable[[jax.Array], tuple[Rollout, EngineStats | None]]
+
+
+def _engine(s: Settings, mode: str, graphdef, params, eos_id: int, prompt_BxP: np.ndarray, slots: int) -> Run:
+  """`run(budget_B)` -> (Rollout, EngineStats or None) of the requests `prompt_BxP` (unpadded) decoded by `mode` on
+  `slots` slots: `sampling.rollout`'s engines. A new record kind is a new mode here and in MODES."""
   prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
   valid_BxP = jnp.ones_like(prompt_BxP, bool)
-  sampling = SamplingParams(temperature=s.temperature, attention_backend=s.backend)
+  sampling = SamplingParams(temperature=s.temperature, attention_backend=s.backend, engine=mode, chunk=s.chunk)
 
-  def run(max_new_tokens):
-    return generate(graphdef, params, prompt_BxP, valid_BxP, jax.random.key(s.seed), max_new_tokens=max_new_tokens,
-                    eos_id=eos_id, pad_id=0, sampling=sampling, group_size=s.group_size)
+  def run(budget_B):
+    return rollout(graphdef, params, prompt_BxP, valid_BxP, jax.random.key(s.seed), max_new_tokens=s.budget,
+                   eos_id=eos_id, pad_id=0, sampling=sampling, group_size=s.group_size, slots=slots,
+                   budget_B=budget_B)
 
   return run
 
 
-def _speeds(s: Settings, batch: int, prefill_s: float, decode_s: float) -> dict[str, float]:
-  """Tokens per second of the prefill, the decode and the whole rollout, and ms per decode step."""
-  steps = s.new_tokens - 1
-  return dict(prefill_tok_s=batch * s.prompt_len / prefill_s, decode_tok_s=batch * steps / decode_s,
-              decode_step_ms=1e3 * decode_s / steps, tok_s=batch * s.new_tokens / (prefill_s + decode_s))
+def _keeping(into: dict, mode: str, run: Run, budget_R) -> Callable[[], Rollout]:
+  """A timed call: `run(budget_R)`'s Rollout, the output kept in into[mode] (the last run makes the record: no
+  extra run)."""
+
+  def call():
+    into[mode] = run(budget_R)
+    return into[mode][0]
+
+  return call
+
+
+def _speeds(prompt_tokens: int, lengths_R: np.ndarray, steps: float, prefill_s: float, decode_s: float
+            ) -> dict[str, float]:
+  """Tokens per second of the prefill, the decode (tokens chosen by decode steps: each response's but its first)
+  and the whole rollout, and ms per decode step (`steps` run)."""
+  return dict(prefill_tok_s=prompt_tokens / prefill_s, decode_tok_s=float((lengths_R - 1).sum()) / decode_s,
+              decode_step_ms=1e3 * decode_s / steps, tok_s=float(lengths_R.sum()) / (prefill_s + decode_s))
+
+
+def _partial_record(s: Settings, graphdef, params, eos_id: int, prompt_RxP: np.ndarray, lengths_R: np.ndarray,
+                    slots: int, live_len: float, rates: dict) -> dict:
+  """The "partial" record of a point: `steady_state.run` over its requests (one run to compile, one timed), its
+  decode speed and useful_token_frac over the steady-state steps, and the roofline of the point's other records."""
+  sampling = SamplingParams(temperature=s.temperature, attention_backend=s.backend, engine="continuous",
+                            chunk=s.chunk)
+  def run():
+    return steady_state.run(graphdef, params, prompt_RxP.astype(np.int32), np.ones_like(prompt_RxP, bool),
+                            lengths_R.astype(np.int32), jax.random.key(s.seed), sampling=sampling, slots=slots,
+                            partial_budget=s.partial_budget, eos_id=eos_id, pad_id=0)
+  run()
+  out = run()
+  if not out.steps:
+    raise RuntimeError(f"partial_budget={s.partial_budget}: no step of {len(lengths_R)} requests on {slots} slots "
+                       "ended with requests still queued; use more rollouts or a smaller budget.")
+  record = dict(engine="partial", length_dist=s.length_dist, concurrency=slots, slots=slots,
+                rollouts=len(lengths_R), partial_budget=s.partial_budget, length_mean=float(lengths_R.mean()),
+                length_max=int(lengths_R.max()), steady_steps=out.steps, decode_s=out.seconds,
+                decode_tok_s=out.decode_tok_s, decode_step_ms=1e3 * out.seconds * slots / max(out.slot_steps, 1),
+                slot_steps=out.slot_steps, decoded=out.decoded, useful_token_frac=out.useful_token_frac,
+                carried_mean=out.carried_mean, bandwidth_bytes_per_s=rates["bandwidth_bytes_per_s"],
+                matmul_flops_per_s=rates["matmul_flops_per_s"], live_len=live_len,
+                **step_roofline(s.model_config(), slots, live_len, rates))
+  record["roofline_fraction"] = record["roofline_ms"] / record["decode_step_ms"]
+  return record
+
+
+def _check(s: Settings):
+  """Raises ValueError on settings the sweep cannot measure."""
+  if s.rollouts and not s.slots or s.slots and not s.rollouts:
+    raise ValueError(f"rollouts={s.rollouts} and slots={s.slots} go together.")
+  if not s.engine or set(s.engine) - set(MODES) or len(set(s.engine)) < len(s.engine):
+    raise ValueError(f"engine={s.engine}: one or more of {MODES}, each once.")
+  if s.length_dist:
+    draw_lengths(s.length_dist, 1, s.seed)
+  if s.longest < 2:
+    raise ValueError(f"the longest response is {s.longest} tokens: at least 2 (one decode step) are needed.")
+  if s.max_len and s.max_len < s.prompt_len + s.longest:
+    raise ValueError(f"max_len={s.max_len} is below prompt_len + the longest response = {s.prompt_len + s.longest}.")
+  if s.partial_budget and not (s.length_dist and s.rollouts):
+    raise ValueError(f"partial_budget={s.partial_budget} emulates partial rollouts over a stream of requests: it "
+                     "needs length_dist and rollouts.")
+  if s.compare_hf and (s.length_dist or s.rollouts):
+    raise ValueError("compare_hf times whole batches of new_tokens tokens: no length_dist, no rollouts.")
+  for requests, slots in s.points():
+    if requests % s.group_size or slots % s.group_size or requests % slots:
+      raise ValueError(f"{requests} requests on {slots} slots: both multiples of group_size={s.group_size}, the "
+                       "slots dividing the requests (the static engine's blocks).")
 
 
 def sweep(s: Settings) -> Iterator[dict]:
-  """Measures each of `s.concurrency` in turn; yields the report after each, one record longer each time.
+  """Measures each point of `s.points()` in turn; yields the report after each, one record per engine longer.
 
   The report: settings, the decode attention backend, device, `os.getloadavg()` at the start (load_avg) and after the
-  last record (load_avg_end), num_params, the rates measured before the sweep (machine, `roofline.measure_machine`)
-  and `results`, one record per concurrency: times in seconds (prefill_s, decode_s), speeds (`_speeds`), the rates
-  used, the step roofline (`roofline.step_roofline`) and roofline_fraction; with compare_hf the same speeds of
-  transformers prefixed hf_, decode_speedup_vs_hf, tok_s_speedup_vs_hf and, when greedy, hf_same_tokens (the
-  fraction of the first new_tokens - 1 tokens that agree).
+  last point (load_avg_end), num_params, the rates measured before the sweep (machine, `roofline.measure_machine`)
+  and `results`, per point one record per engine: engine, length_dist (its spec; "fixed:new_tokens" without one),
+  concurrency (= slots), slots, rollouts (requests), length_mean and length_max (of the responses), times in seconds
+  (prefill_s, decode_s), speeds (`_speeds`), the engine's figures (chunks: host syncs, 0 for the static engine's
+  single programs; slot_steps; decoded; useful_token_frac = decoded / slot_steps, `continuous.EngineStats`), the
+  rates used, the step roofline (`roofline.step_roofline`) at live_len and roofline_fraction; on every engine's
+  record but the static one's, when it was measured at the point, decode_speedup_vs_static and, when greedy,
+  same_tokens_vs_static (the fraction of token positions equal). With compare_hf the same speeds of transformers
+  prefixed hf_, decode_speedup_vs_hf, tok_s_speedup_vs_hf and, when greedy, hf_same_tokens (the fraction of the
+  first new_tokens - 1 tokens that agree).
   """
-  if s.new_tokens < 2:
-    raise ValueError(f"new_tokens={s.new_tokens}: at least 2 (one decode step) are needed.")
-  if s.max_len and s.max_len < s.prompt_len + s.new_tokens:
-    raise ValueError(f"max_len={s.max_len} is below prompt_len + new_tokens = {s.prompt_len + s.new_tokens}.")
-  if any(b % s.group_size for b in s.concurrency):
-    raise ValueError(f"every concurrency must be a multiple of group_size={s.group_size}.")
+  _check(s)
   cfg = s.model_config()
   graphdef, params = random_params(cfg, s.seed)
-  if s.budget > s.new_tokens:  # EOS as the new_tokens-th token: chosen from position prompt_len + new_tokens - 2
+  if not s.length_dist and s.budget > s.new_tokens:  # EOS as the new_tokens-th token: from prompt_len + new_tokens - 2
     eos_id = s.vocab_size - 1
     model = EosAt(nnx.merge(graphdef, params), eos_id, s.prompt_len + s.new_tokens - 2)
   else:  # no EOS: an id the model cannot produce
@@ -167,34 +286,67 @@ def sweep(s: Settings) -> Iterator[dict]:
   report = dict(settings=dataclasses.asdict(s), backend=SamplingParams(attention_backend=s.backend).backend,
                 device=str(jax.devices()[0]), load_avg=os.getloadavg(), num_params=cfg.num_params(),
                 machine=machine, results=[])
-  live_len = s.prompt_len + s.new_tokens / 2  # mean over the decode steps of the slots attended
-  for batch in s.concurrency:
-    prompt_BxP = _prompts(s, batch)
-    run_ours = _ours(s, bench_graphdef, bench_params, eos_id, prompt_BxP)
-    fns = [lambda: run_ours(1), lambda: run_ours(s.budget)]
+  for requests, slots in s.points():
+    prompt_BxP = _prompts(s, requests)
+    if s.length_dist:
+      lengths_R = draw_lengths(s.length_dist, requests, s.seed)
+    else:  # new_tokens each: the budget's end or the forced EOS
+      lengths_R = np.full(requests, s.new_tokens, np.int64)
+    budget_R = jnp.asarray(lengths_R if s.length_dist else np.full(requests, s.budget), jnp.int32)
+    ones_R = jnp.ones((requests,), jnp.int32)  # the prefill: the same program, no decode step
+    prefills, runs, fns = {}, {}, []
+    for mode in s.engine:
+      run = _engine(s, mode, bench_graphdef, bench_params, eos_id, prompt_BxP, slots)
+      fns += [_keeping(prefills, mode, run, ones_R), _keeping(runs, mode, run, budget_R)]
     if hf is not None:
       run_hf = side_by_side.hf_generate(hf, prompt_BxP, s.temperature)
       fns += [lambda: run_hf(1), lambda: run_hf(s.new_tokens)]
     times = best_seconds(fns, s.repeats)
-    rollout = run_ours(s.budget)
-    lengths_B = np.asarray(rollout.lengths_B)
-    if not (lengths_B == s.new_tokens).all():
-      raise RuntimeError(f"rows generated {sorted(set(lengths_B.tolist()))} tokens, not {s.new_tokens}")
-    prefill_s, decode_s = times[0], times[1] - times[0]
-    record = dict(concurrency=batch, prefill_s=prefill_s, decode_s=decode_s, **_speeds(s, batch, prefill_s, decode_s))
-    if hf is not None:
-      hf_prefill_s, hf_decode_s = times[2], times[3] - times[2]
-      record.update({f"hf_{k}": v for k, v in _speeds(s, batch, hf_prefill_s, hf_decode_s).items()})
-      record["decode_speedup_vs_hf"] = record["decode_tok_s"] / record["hf_decode_tok_s"]
-      record["tok_s_speedup_vs_hf"] = record["tok_s"] / record["hf_tok_s"]
-      if not s.temperature:  # (the forced EOS, if any, aside)
-        same = run_hf(s.new_tokens)[:, s.prompt_len:].numpy() == np.asarray(rollout.tokens_BxN)[:, :s.new_tokens]
-        record["hf_same_tokens"] = float(same[:, :s.new_tokens - 1].mean())
     after = measure_machine(s.dtype, s.bandwidth_mb, s.matmul_size)
     rates = {k: max(v, machine[k]) for k, v in after.items()}  # the better of the measurements around the runs
-    record.update(bandwidth_bytes_per_s=rates["bandwidth_bytes_per_s"], matmul_flops_per_s=rates["matmul_flops_per_s"],
-                  **step_roofline(cfg, batch, live_len, rates))
-    record["roofline_fraction"] = record["roofline_ms"] / record["decode_step_ms"]
-    report["results"].append(record)
+    # Response token t (t = 1..L-1, decoded) is chosen attending prompt_len + t slots: the mean over those tokens.
+    decoded = int((lengths_R - 1).sum())
+    live_len = s.prompt_len + float((lengths_R * (lengths_R - 1) / 2).sum()) / max(decoded, 1)
+    records = {}
+    for i, mode in enumerate(s.engine):
+      out, stats = runs[mode]
+      got_R = np.asarray(out.lengths_B)
+      if not np.array_equal(got_R, lengths_R):
+        wrong = got_R != lengths_R
+        raise RuntimeError(f"{mode}: {int(wrong.sum())} of {requests} rows generated other lengths than asked, "
+                           f"e.g. {got_R[wrong][:4].tolist()} tokens for {lengths_R[wrong][:4].tolist()}")
+      stats = stats or static_stats(got_R, slots)
+      prefill_s, decode_s = times[2 * i], times[2 * i + 1] - times[2 * i]
+      record = dict(engine=mode, length_dist=s.length_dist or f"fixed:{s.new_tokens}", concurrency=slots,
+                    slots=slots, rollouts=requests, length_mean=float(lengths_R.mean()),
+                    length_max=int(lengths_R.max()), prefill_s=prefill_s, decode_s=decode_s,
+                    **_speeds(requests * s.prompt_len, lengths_R, stats.slot_steps / slots, prefill_s, decode_s),
+                    chunks=stats.chunks, slot_steps=stats.slot_steps, decoded=stats.decoded,
+                    useful_token_frac=stats.useful_token_frac)
+      if hf is not None:
+        hf_prefill_s, hf_decode_s = times[-2], times[-1] - times[-2]
+        record.update({f"hf_{k}": v for k, v in _speeds(requests * s.prompt_len, lengths_R, s.new_tokens - 1,
+                                                         hf_prefill_s, hf_decode_s).items()})
+        record["decode_speedup_vs_hf"] = record["decode_tok_s"] / record["hf_decode_tok_s"]
+        record["tok_s_speedup_vs_hf"] = record["tok_s"] / record["hf_tok_s"]
+        if not s.temperature:  # (the forced EOS, if any, aside)
+          same = run_hf(s.new_tokens)[:, s.prompt_len:].numpy() == np.asarray(out.tokens_BxN)[:, :s.new_tokens]
+          record["hf_same_tokens"] = float(same[:, :s.new_tokens - 1].mean())
+      record.update(bandwidth_bytes_per_s=rates["bandwidth_bytes_per_s"],
+                    matmul_flops_per_s=rates["matmul_flops_per_s"], live_len=live_len,
+                    **step_roofline(cfg, slots, live_len, rates))
+      record["roofline_fraction"] = record["roofline_ms"] / record["decode_step_ms"]
+      records[mode] = record
+    if s.partial_budget:
+      records["partial"] = _partial_record(s, bench_graphdef, bench_params, eos_id, prompt_BxP, lengths_R, slots,
+                                           live_len, rates)
+    for mode, record in records.items():
+      if mode != "static" and "static" in records:
+        record["decode_speedup_vs_static"] = record["decode_tok_s"] / records["static"]["decode_tok_s"]
+        if not s.temperature:
+          if mode in runs:
+            same_RxN = np.asarray(runs[mode][0].tokens_BxN) == np.asarray(runs["static"][0].tokens_BxN)
+            record["same_tokens_vs_static"] = float(same_RxN.mean())
+    report["results"] += records.values()
     report["load_avg_end"], machine = os.getloadavg(), after
     yield report

@@ -75,8 +75,9 @@ def cache_buckets(prompt_len: int, max_new_tokens: int, backend: str) -> tuple[i
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
                                              "group_size"))
 def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
-             pad_id: int, sampling: SamplingParams, group_size: int = 1) -> Rollout:
-  """Samples up to `max_new_tokens` tokens after each left-padded prompt; stops each row at EOS.
+             pad_id: int, sampling: SamplingParams, group_size: int = 1, budget_B=None) -> Rollout:
+  """Samples up to `max_new_tokens` tokens after each left-padded prompt; stops each row at EOS, or at its own
+  token budget `budget_B` (optional int (B,), <= max_new_tokens).
 
   The loop ends as soon as every row has produced EOS, and each step reads a cache sized to the live length (see
   the module docstring), so the cost follows the tokens generated. `group_size` > 1 promises that consecutive
@@ -104,13 +105,14 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
 
   rng, first_rng = jax.random.split(rng)
   token_B, logp_B = choose(logits_BxV, first_rng, sampling)
+  budget_B = jnp.full((b,), n, jnp.int32) if budget_B is None else budget_B.astype(jnp.int32)
   starts_B = p - prompt_valid_BxP.astype(jnp.int32).sum(axis=1)
   carry = _Carry(
       step=jnp.array(1, jnp.int32),
       cache=cache,
       token_B=token_B,
       position_B=positions_from_valid(prompt_valid_BxP)[:, -1] + 1,
-      done_B=token_B == eos_id,
+      done_B=(token_B == eos_id) | (budget_B <= 1),
       tokens_BxN=jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token_B),
       logprobs_BxN=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp_B),
       rng=rng)
@@ -129,7 +131,7 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
         cache=cache,
         token_B=token_B,
         position_B=c.position_B + 1,
-        done_B=c.done_B | (token_B == eos_id),
+        done_B=c.done_B | (token_B == eos_id) | (c.step + 1 >= budget_B),
         tokens_BxN=jax.lax.dynamic_update_slice(c.tokens_BxN, token_B[:, None], (0, c.step)),
         logprobs_BxN=jax.lax.dynamic_update_slice(c.logprobs_BxN, logp_B[:, None], (0, c.step)),
         rng=rng)
@@ -150,7 +152,7 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
   steps, tokens_BxN, logprobs_BxN = decode(0, carry)
   is_eos_BxN = tokens_BxN == eos_id
   eos_before_BxN = jnp.cumsum(is_eos_BxN, axis=1) - is_eos_BxN
-  written_BxN = jnp.arange(n)[None, :] < steps
+  written_BxN = jnp.arange(n)[None, :] < jnp.minimum(steps, budget_B[:, None])
   mask_BxN = (eos_before_BxN == 0) & written_BxN
   return Rollout(
       tokens_BxN=jnp.where(mask_BxN, tokens_BxN, pad_id),

@@ -10,6 +10,7 @@ _NEG_INF = -1e30
 # Passes over the vocabulary go by chunks of _CHUNK tokens: one vectorised reduction per chunk, then work within
 # one chunk per row. XLA's CPU argmax (a (value, index) reduction) and cumsum over 32k tokens are 10-30x slower.
 _CHUNK = 128
+ENGINES = ("static", "continuous")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,14 +23,23 @@ class SamplingParams:
     top_p: nucleus sampling, keep the smallest set with probability >= top_p (1.0 = off).
     attention_backend: the `kernels.decode_attention` backend of a decode step: "xla" (every slot of a cache
       grown in power-of-two buckets, masked to the live span), "pallas" (the kernel, reading only the live span of
-      the full cache; interpret mode on CPU, for tests only) or "auto" (`kernels.default_backend()`: pallas on
-      GPU/TPU, else xla). Tokens do not depend on it beyond rounding.
+      the full cache; interpret mode on CPU, for tests only; no TPU form yet) or "auto" (`kernels.default_backend()`:
+      pallas on GPU, else xla; TPU uses xla until a Mosaic form of the kernel exists). Tokens do not depend on it
+      beyond rounding.
+    engine: how a batch of requests is decoded (`sampling.engine`): "static", one block of all rows run to its
+      longest response (`generate`), or "continuous", `slots` sequences in flight per device, a finished one's slot
+      taking the next request (`continuous.generate_continuous`).
+    slots: sequences decoding at once per device under the continuous engine (0 = every request of the batch).
+    chunk: decode steps of the continuous engine between two host syncs (one small transfer each way).
   """
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   attention_backend: str = "auto"
+  engine: str = "static"
+  slots: int = 0
+  chunk: int = 16
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -41,6 +51,12 @@ class SamplingParams:
     if self.attention_backend not in ("auto",) + BACKENDS:
       raise ValueError(f"sampling.attention_backend must be 'auto' or one of {BACKENDS}, got "
                        f"{self.attention_backend!r}.")
+    if self.engine not in ENGINES:
+      raise ValueError(f"sampling.engine must be one of {ENGINES}, got {self.engine!r}.")
+    if self.slots < 0:
+      raise ValueError(f"sampling.slots must be >= 0 (0 = every request at once), got {self.slots}.")
+    if self.chunk < 1:
+      raise ValueError(f"sampling.chunk must be >= 1 decode step, got {self.chunk}.")
 
   @property
   def greedy(self) -> bool:
@@ -96,13 +112,22 @@ def argmax(x_BxV: jax.Array) -> jax.Array:
   return chunk_B * _CHUNK + jnp.argmax(_chunk_of(x_BxCxW, chunk_B), axis=-1)
 
 
+def _uniform_Bx1(rng: jax.Array, rows: int) -> jax.Array:
+  """U[0, 1) draws, one per row: from one key, or from a batch of keys (one per row, shape (B,))."""
+  if rng.ndim == 1:
+    return jax.vmap(jax.random.uniform)(rng)[:, None]
+  return jax.random.uniform(rng, (rows, 1))
+
+
 def sample(logp_BxV: jax.Array, rng: jax.Array) -> jax.Array:
   """One token per row from softmax(logp) (log-probs, normalised or not), by inverting the CDF at one uniform draw:
-  the chunk from the cumulative chunk masses, then the token within it. Zero-probability tokens are never chosen."""
+  the chunk from the cumulative chunk masses, then the token within it. Zero-probability tokens are never chosen.
+  `rng`: one key for the batch, or one key per row (shape (B,)), which makes a row's token independent of the
+  rows beside it."""
   p_BxCxW = jnp.exp(_chunks(logp_BxV, -jnp.inf))
   mass_BxC = p_BxCxW.sum(axis=-1)
   cum_BxC = jnp.cumsum(mass_BxC, axis=-1)
-  u_Bx1 = jax.random.uniform(rng, (logp_BxV.shape[0], 1)) * cum_BxC[:, -1:]
+  u_Bx1 = _uniform_Bx1(rng, logp_BxV.shape[0]) * cum_BxC[:, -1:]
   chunk_B = jnp.minimum(jnp.sum(cum_BxC <= u_Bx1, axis=-1), _last_positive(mass_BxC))
   p_BxW = _chunk_of(p_BxCxW, chunk_B)
   before_Bx1 = jnp.take_along_axis(cum_BxC - mass_BxC, chunk_B[:, None], axis=-1)
@@ -111,7 +136,8 @@ def sample(logp_BxV: jax.Array, rng: jax.Array) -> jax.Array:
 
 
 def choose(logits_BxV: jax.Array, rng: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-  """Next token and its log-prob under softmax(logits / T) (before truncation). Returns (token_B, logp_B)."""
+  """Next token and its log-prob under softmax(logits / T) (before truncation); `rng` as `sample`'s. Returns
+  (token_B, logp_B)."""
   if params.greedy:
     logits_BxV = logits_BxV.astype(jnp.float32)
     token_B = argmax(logits_BxV)

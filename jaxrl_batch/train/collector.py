@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_batch.model import KVCache
 from jaxrl_batch.rl.advantages import zero_std_group_frac, zero_std_groups
 from jaxrl_batch.rl.overlong import overlong_penalty
-from jaxrl_batch.runtime import sharding, streams, transfer
-from jaxrl_batch.sampling import SamplingParams, generate
+from jaxrl_batch.runtime import memory, sharding, streams, transfer
+from jaxrl_batch.sampling import SamplingParams, generate, rollout, static_stats
 from jaxrl_batch.tasks.rewards import safe_rewards
 from jaxrl_batch.train.setup import Experiment
 
@@ -47,10 +48,34 @@ def _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data_3, *, max_n
                   group_size=group_size)  # One prefill per prompt, its KV shared by the group.
 
 
+_sampling_key = jax.jit(streams.sampling_key)
+
+
 @jax.jit
 def _select(rounds, rows_B):
   """Rows `rows_B` of the rounds' arrays concatenated along the batch (round r's row i is r * B + i)."""
   return jax.tree.map(lambda *xs: jnp.take(jnp.concatenate(xs), rows_B, axis=0), *rounds)
+
+
+def check_rollout_memory(exp: Experiment, slots: int) -> int:
+  """Logs the KV cache the rollout needs per device, `slots` sequences (all devices) at the longest allowed length
+  (prompt_len + response_len - 1 slots) plus the prefill of the step's prompts, and refuses a configuration whose
+  cache cannot fit the first device's free memory. Returns the bytes per device."""
+  data = sharding.data_parallel_size(exp.mesh)
+  cfg, length = exp.model_cfg, exp.prompt_len + exp.response_len - 1
+  cache = KVCache.bytes_for(cfg, -(-slots // data), length)
+  prefill = KVCache.bytes_for(cfg, -(-exp.member.num_prompts // data), exp.prompt_len)
+  needed = cache + prefill
+  logging.info("Rollout KV cache per device: %d slots x %d positions x %d layers = %.1f MiB (+ %.1f MiB prefill).",
+               -(-slots // data), length, cfg.num_layers, cache / 2**20, prefill / 2**20)
+  free = memory.free_bytes(jax.local_devices()[0])
+  if free is not None and needed > free:
+    raise ValueError(
+        f"The rollout's KV cache needs {needed / 2**30:.2f} GiB per device ({-(-slots // data)} sequences x "
+        f"{length} positions x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x 2, plus the "
+        f"prompts' prefill), but the device has {free / 2**30:.2f} GiB free. Lower sampling.slots (the continuous "
+        f"engine keeps that many sequences per device in flight), or shorten the response budget.")
+  return needed
 
 
 class Collector:
@@ -58,6 +83,10 @@ class Collector:
 
   def __init__(self, exp: Experiment):
     self.exp, self.member = exp, exp.member
+    # Slots per device times the devices the batch is sharded over; 0 = every request at once.
+    self.slots = exp.sampling.slots * sharding.data_parallel_size(exp.mesh)
+    self._row_sharding = functools.partial(sharding.batch_sharding, exp.mesh)
+    check_rollout_memory(exp, self.slots or self.member.batch_size)
 
   def _round(self, graphdef, params, step: int, r: int) -> dict:
     """One round of sampling and scoring: device arrays, host tokens/rewards and timings."""
@@ -70,20 +99,26 @@ class Collector:
         "prompts", (prompt_BxP, prompt_valid_BxP, streams.sampling_key_data(m.seed, step, r)),
         (batch(2), batch(2), sharding.replicated(exp.mesh)))
     t0 = time.time()
+    kwargs = dict(max_new_tokens=exp.response_len, eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id,
+                  sampling=exp.sampling, group_size=g)
     with jax.set_mesh(exp.mesh):
-      rollout = _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data, max_new_tokens=exp.response_len,
-                        eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id, sampling=exp.sampling, group_size=g)
-    rollout = jax.block_until_ready(rollout)
+      if exp.sampling.engine == "static" and self.slots in (0, m.batch_size):  # one block, one program
+        out, engine_stats = _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data, **kwargs), None
+      else:
+        out, engine_stats = rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, _sampling_key(key_data),
+                                    slots=self.slots, row_sharding=self._row_sharding, **kwargs)
+    out = jax.block_until_ready(out)
     t1 = time.time()
     tokens_BxN, mask_BxN, lengths_B, truncated_B = transfer.to_host(
-        "tokens", (rollout.tokens_BxN, rollout.mask_BxN, rollout.lengths_B, rollout.truncated_B))
+        "tokens", (out.tokens_BxN, out.mask_BxN, out.lengths_B, out.truncated_B))
+    engine_stats = engine_stats or static_stats(lengths_B, self.slots or m.batch_size)
     completions = exp.decode_responses(tokens_BxN, mask_BxN)
     rewards_B, errors, first = safe_rewards(exp.task, completions, [p for p in problems for _ in range(g)])
     if errors:
       logging.warning("Step %d: the reward function raised on %d samples (scored 0); first: %s", step, errors, first)
-    device = (prompt_BxP, prompt_valid_BxP, rollout.tokens_BxN, rollout.logprobs_BxN, rollout.mask_BxN)
+    device = (prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN)
     return dict(device=device, task_rewards_B=rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
-                errors=errors, rollout_s=t1 - t0, reward_s=time.time() - t1)
+                errors=errors, rollout_s=t1 - t0, reward_s=time.time() - t1, engine=engine_stats)
 
   def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]
               ) -> tuple[Rollouts, jax.Array, list[jax.Array], dict]:
@@ -140,5 +175,8 @@ class Collector:
                  truncated_frac=float(every["truncated_B"].mean()),
                  zero_std_group_frac=float(zero_std_group_frac(every["task_rewards_B"], g)) if g > 1 else 0.0,
                  reward_errors=int(sum(out["errors"] for out in rounds)),
+                 useful_token_frac=sum(out["engine"].decoded for out in rounds) / max(
+                     sum(out["engine"].slot_steps for out in rounds), 1),
+                 rollout_chunks=sum(out["engine"].chunks for out in rounds),
                  trained_samples=int(trained_B.sum()))
     return rollouts, device_kl_coef, device_orders, stats

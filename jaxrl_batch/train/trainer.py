@@ -29,6 +29,7 @@ from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.train import rundir, sft
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.evaluation import eval_accuracy
+from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.setup import Experiment
 
 
@@ -63,7 +64,8 @@ class Trainer:
                                             (m.critic_lr, m.critic_adam)) if self.algo.critic else None)
     self.noise_scale = NoiseScale()  # Restarts on resume: an EMA, not part of the training state.
     self.metrics = rundir.MetricsLog(self.workdir)
-    self.collector = Collector(self.exp)
+    partial = config.get("rollout") is not None and config.rollout.partial
+    self.collector = PartialCollector(self.exp) if partial else Collector(self.exp)
     self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
     self.checkpointer: Checkpointer | None = None  # Opened by `run`, with the base policy and the learner.
     self.graphdef = self.ref_params = self.learner = None
@@ -173,6 +175,8 @@ class Trainer:
       with transfer.scope("restore"):
         state, meta = self.checkpointer.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=x.sharding), state))
+      if isinstance(self.collector, PartialCollector):
+        self.collector.load_state_dict(meta.pop("rollouts"))
       progress.update(meta)
       self.metrics.truncate_after(progress["step"])
       logging.info("Resuming from step %d (%d samples, %.0fs) in %s.", progress["step"], progress["samples"],
@@ -237,8 +241,10 @@ class Trainer:
                      _format_eta(rate * steps_left))
       if save:
         with transfer.scope("checkpoint"):
-          self.checkpointer.save(step, state, dict(step=step, samples=samples, samples_generated=generated,
-                                                   wall_s=wall(), kl_coef=self.kl.coef))
+          meta = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), kl_coef=self.kl.coef)
+          if isinstance(self.collector, PartialCollector):
+            meta["rollouts"] = self.collector.state_dict()  # The sequences in flight: run state.
+          self.checkpointer.save(step, state, meta)
     self._flush()
     logging.info("Done: %d steps, %d samples (%d generated), final held-out accuracy %s.", step, samples, generated,
                  eval_acc)

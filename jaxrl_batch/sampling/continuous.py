@@ -1,0 +1,360 @@
+"""The continuous engine: `slots` sequences in flight; a slot whose sequence ends takes the next queued request.
+
+`Requests` are R rows, each naming its prompt among Q prefilled ones (a batch of Q prompts x G samples is
+group-major, `new_requests`). The Q prompts are prefilled once, in one batch, into a prefix store (each prompt's
+keys/values and its last position's logits). A request is admitted into a free slot by copying its prompt's prefix
+into the slot's cache row and sampling its first token from the stored logits (group prefix sharing: one prefill
+per prompt, whatever G); it then decodes in that slot until EOS or its token budget. Every slot has its own count,
+position and cache slot (per-row cache writes); its query attends its span [P - prompt length, the slot fed], as
+`generate`'s rows do. A request that already holds tokens (a partial rollout carried over from an earlier call,
+`train.partial`) is re-prefilled instead: its prompt's prefix, then its tokens, under the current weights.
+
+The host drives the engine in chunks of `chunk` decode steps. Before a chunk it assigns free slots to queued
+requests (one int32 (S,) upload, the "admit" crossing) and sizes the cache to the longest live sequence (xla: the
+power-of-two buckets of `generate.cache_buckets`, grown or shrunk between chunks; pallas: the full length, read
+only over each span); after it, it reads which slots are still live (one bool (S,) download and two scalars, the
+"slots" crossing). A rollout of R requests of mean length n on S slots costs about 2 * (R * n / S / chunk + the
+tail's chunks) host syncs, plus the prefill's. A chunk ends early once no slot is live. Finished slots idle until
+their chunk ends: `EngineStats.useful_token_frac` measures the cost.
+
+Randomness: the token at index t of request r is drawn with the key fold_in(fold_in(key, uid_r), t), so a request's
+tokens do not depend on the slot count, the chunk, the requests beside it or where a partial rollout was cut
+(beyond rounding); greedy decoding gives `generate`'s tokens.
+"""
+import collections
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_batch.model import DecodeSpan, KVCache, cache_mask, positions_from_valid
+from jaxrl_batch.runtime import transfer
+from jaxrl_batch.sampling.generate import Rollout, cache_buckets
+from jaxrl_batch.sampling.strategies import SamplingParams, choose
+
+
+class _Prefix(NamedTuple):
+  """The Q distinct prompts, prefilled: cache (Q rows of P slots), logits_QxV float32 of each prompt's last
+  position, length_Q its real tokens, and the prompts themselves (prompt_QxP, valid_QxP) for re-prefills."""
+  cache: KVCache
+  logits_QxV: jax.Array
+  length_Q: jax.Array
+  prompt_QxP: jax.Array
+  valid_QxP: jax.Array
+
+
+class Requests(NamedTuple):
+  """R requests, on the device: prompt_R, the row of each one's prompt among the Q prefilled; uid_R, the id its
+  random keys are folded from; budget_R, its token budget (<= N); and the tokens it already holds, tokens_RxN,
+  logprobs_RxN and lengths_R (a partial sequence carried over from an earlier call: re-prefilled under the current
+  weights, then continued; lengths 0 for a new request). All int32 but logprobs (float32)."""
+  prompt_R: jax.Array
+  uid_R: jax.Array
+  budget_R: jax.Array
+  tokens_RxN: jax.Array
+  logprobs_RxN: jax.Array
+  lengths_R: jax.Array
+
+
+class _Slots(NamedTuple):
+  """S sequences in flight. A free slot holds request R (out of range: its writes to the outputs are dropped)."""
+  cache: KVCache
+  request_S: jax.Array  # int32 request decoding in the slot
+  token_S: jax.Array  # int32 last token chosen, fed by the next step
+  count_S: jax.Array  # int32 tokens chosen so far; the last is fed at cache slot P + count - 1
+  position_S: jax.Array  # int32 RoPE position of the token fed next
+  start_S: jax.Array  # int32 first real cache slot: P - prompt length
+  live_S: jax.Array  # bool, still decoding
+
+
+class Outputs(NamedTuple):
+  """Per request: tokens_RxN and logprobs_RxN as chosen (stale beyond the length), lengths_R, eos_R (ended by
+  EOS)."""
+  tokens_RxN: jax.Array
+  logprobs_RxN: jax.Array
+  lengths_R: jax.Array
+  eos_R: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+  """Host figures of one rollout: `chunks` run (host syncs: one upload and one download each), `slot_steps`
+  (slots x decode steps run, live or not) and `decoded` (tokens chosen by decode steps: every token but each
+  request's first, which comes from the prefill)."""
+  chunks: int
+  slot_steps: int
+  decoded: int
+
+  @property
+  def useful_token_frac(self) -> float:
+    """Decoded tokens per slot-step: 1.0 when no slot ever idles."""
+    return self.decoded / max(self.slot_steps, 1)
+
+
+def _row_keys(key, uid_S, index_S):
+  return jax.vmap(lambda u, t: jax.random.fold_in(jax.random.fold_in(key, u), t))(uid_S, index_S)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill(graphdef, params, prompt_QxP, valid_QxP) -> _Prefix:
+  model = nnx.merge(graphdef, params)
+  q, p = prompt_QxP.shape
+  valid_QxP = valid_QxP.astype(bool)
+  cache = KVCache.zeros(model.cfg, q, p)
+  hidden_QxPxD, cache = model.hidden(prompt_QxP, positions_from_valid(valid_QxP), cache_mask(valid_QxP, 0, p),
+                                     cache, 0)
+  return _Prefix(cache, model.logits(hidden_QxPxD[:, -1:])[:, 0], valid_QxP.sum(axis=1).astype(jnp.int32),
+                 prompt_QxP, valid_QxP)
+
+
+def _empty(cfg, slots: int, length: int, requests: int):
+  """Free slots with a cache of `length` slots."""
+  s, r = slots, requests
+  zeros_S = jnp.zeros((s,), jnp.int32)
+  return _Slots(KVCache.zeros(cfg, s, length), jnp.full((s,), r, jnp.int32), zeros_S, zeros_S, zeros_S, zeros_S,
+                jnp.zeros((s,), bool))
+
+
+@functools.lru_cache(maxsize=None)
+def _starter(cfg, slots: int, length: int, requests: int, row_sharding):
+  """A jitted function returning `_empty`'s slots, their leading axis laid out by `row_sharding` (if given)."""
+  empty = functools.partial(_empty, cfg, slots, length, requests)
+  if row_sharding is None:
+    return jax.jit(empty)
+  return jax.jit(empty, out_shardings=jax.tree.map(lambda x: row_sharding(x.ndim), jax.eval_shape(empty)))
+
+
+def _new_requests(budget_B, batch: int, group_size: int, max_new_tokens: int, pad_id: int) -> Requests:
+  b, n = batch, max_new_tokens
+  rows_B = jnp.arange(b, dtype=jnp.int32)
+  budget_B = jnp.full((b,), n, jnp.int32) if budget_B is None else budget_B.astype(jnp.int32)
+  return Requests(rows_B // group_size, rows_B, budget_B, jnp.full((b, n), pad_id, jnp.int32),
+                  jnp.zeros((b, n), jnp.float32), jnp.zeros((b,), jnp.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def _request_maker(batch: int, group_size: int, max_new_tokens: int, pad_id: int, budgets: bool, row_sharding):
+  make = functools.partial(_new_requests, batch=batch, group_size=group_size, max_new_tokens=max_new_tokens,
+                           pad_id=pad_id)
+  if not budgets:
+    make = functools.partial(make, None)
+  if row_sharding is None:
+    return jax.jit(make)
+  return jax.jit(make, out_shardings=Requests(*(row_sharding(ndim) for ndim in (1, 1, 1, 2, 2, 1))))
+
+
+def new_requests(batch: int, *, group_size: int, max_new_tokens: int, pad_id: int, budget_B=None,
+                 row_sharding=None) -> Requests:
+  """`batch` new requests, Q = batch / group_size prompts: request r reads prompt r // group_size and draws from
+  uid r; token budgets `budget_B` (device int (B,); default max_new_tokens). Laid out by `row_sharding` as
+  `generate_continuous`'s. Built on the device: nothing crosses from the host."""
+  make = _request_maker(batch, group_size, max_new_tokens, pad_id, budget_B is not None, row_sharding)
+  return make() if budget_B is None else make(budget_B)
+
+
+@jax.jit
+def _outputs_of(requests: Requests) -> Outputs:
+  """Fresh output buffers (the chunks donate them) holding the requests' tokens so far."""
+  return Outputs(jnp.copy(requests.tokens_RxN), jnp.copy(requests.logprobs_RxN), jnp.copy(requests.lengths_R),
+                 jnp.zeros_like(requests.lengths_R, bool))
+
+
+@functools.partial(jax.jit, static_argnames=("length",))
+def _resized(cache: KVCache, length: int) -> KVCache:
+  """The cache with `length` slots: zero-padded, or cut (only slots no live sequence reaches)."""
+  if length >= cache.length:
+    return cache.resized(length)
+  return KVCache(tuple(k[..., :length] for k in cache.k_layers), tuple(v[:, :, :length] for v in cache.v_layers))
+
+
+def _with_prefix(cache: KVCache, prefix: _Prefix, rows_S, prompt_S) -> KVCache:
+  """Slot rows `rows_S` (out of range: untouched) get the prefix of prompts `prompt_S` in slots [0, P)."""
+  p = prefix.cache.length
+  return KVCache(
+      tuple(k.at[rows_S, :, :, :p].set(pk[prompt_S].astype(k.dtype), mode="drop")
+            for k, pk in zip(cache.k_layers, prefix.cache.k_layers)),
+      tuple(v.at[rows_S, :, :p].set(pv[prompt_S].astype(v.dtype), mode="drop")
+            for v, pv in zip(cache.v_layers, prefix.cache.v_layers)))
+
+
+def _admit(state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key, *, eos_id: int,
+           sampling: SamplingParams):
+  """Slots with admit_S >= 0 take that new request: its prompt's prefix and its first token."""
+  s, r = admit_S.shape[0], requests.budget_R.shape[0]
+  admitted_S = admit_S >= 0
+  request_S = jnp.maximum(admit_S, 0)
+  prompt_S = requests.prompt_R[request_S]
+  cache = _with_prefix(state.cache, prefix, jnp.where(admitted_S, jnp.arange(s), s), prompt_S)
+  token_S, logp_S = choose(prefix.logits_QxV[prompt_S], _row_keys(key, requests.uid_R[request_S],
+                                                                    jnp.zeros((s,), jnp.int32)), sampling)
+  written_S = jnp.where(admitted_S, admit_S, r)
+  ended_S = (token_S == eos_id) | (requests.budget_R[request_S] <= 1)
+  outputs = Outputs(outputs.tokens_RxN.at[written_S, 0].set(token_S, mode="drop"),
+                    outputs.logprobs_RxN.at[written_S, 0].set(logp_S, mode="drop"),
+                    outputs.lengths_R.at[written_S].set(1, mode="drop"),
+                    outputs.eos_R.at[written_S].set(token_S == eos_id, mode="drop"))
+  length_S = prefix.length_Q[prompt_S]
+  state = _Slots(cache, jnp.where(admitted_S, admit_S, state.request_S), jnp.where(admitted_S, token_S, state.token_S),
+                 jnp.where(admitted_S, 1, state.count_S), jnp.where(admitted_S, length_S, state.position_S),
+                 jnp.where(admitted_S, prefix.cache.length - length_S, state.start_S),
+                 jnp.where(admitted_S, ~ended_S, state.live_S))
+  return state, outputs
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _resume(graphdef, params, state: _Slots, prefix: _Prefix, requests: Requests, resume_S) -> _Slots:
+  """Slots with resume_S >= 0 take that carried-over request, re-prefilled under `params`: its prompt's prefix,
+  then its first count - 1 tokens written at slots P.. (the last one chosen is fed by the next decode step).
+  The cache must hold P + N - 1 slots."""
+  model = nnx.merge(graphdef, params)
+  s, p, n = resume_S.shape[0], prefix.cache.length, requests.tokens_RxN.shape[1]
+  resumed_S = resume_S >= 0
+  request_S = jnp.maximum(resume_S, 0)
+  prompt_S, count_S = requests.prompt_R[request_S], requests.lengths_R[request_S]
+  length_S = prefix.length_Q[prompt_S]
+  cache = _with_prefix(state.cache, prefix, jnp.where(resumed_S, jnp.arange(s), s), prompt_S)
+  fed_SxT = requests.tokens_RxN[request_S, :n - 1]
+  fed_valid_SxT = jnp.arange(n - 1)[None, :] < (count_S - 1)[:, None]
+  kv_valid_SxL = jnp.concatenate([prefix.valid_QxP[prompt_S], fed_valid_SxT], axis=1)[:, :cache.length]
+  positions_SxT = length_S[:, None] + jnp.arange(n - 1)[None, :]
+  _, written = model.hidden(fed_SxT, positions_SxT, cache_mask(kv_valid_SxL, p, n - 1), cache, p)
+  cache = jax.tree.map(lambda new, old: jnp.where(resumed_S.reshape((s,) + (1,) * (new.ndim - 1)), new, old),
+                       written, cache)
+  last_S = jnp.take_along_axis(requests.tokens_RxN[request_S], jnp.maximum(count_S - 1, 0)[:, None], axis=1)[:, 0]
+  return _Slots(cache, jnp.where(resumed_S, resume_S, state.request_S), jnp.where(resumed_S, last_S, state.token_S),
+                jnp.where(resumed_S, count_S, state.count_S),
+                jnp.where(resumed_S, length_S + count_S - 1, state.position_S),
+                jnp.where(resumed_S, p - length_S, state.start_S), state.live_S | resumed_S)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "eos_id", "sampling"), donate_argnums=(2, 3))
+def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key, *,
+           steps: int, eos_id: int, sampling: SamplingParams):
+  """Admits `admit_S`, then runs up to `steps` decode steps of the live slots. Returns (state, outputs, steps run,
+  tokens decoded), the last two int32 scalars."""
+  model = nnx.merge(graphdef, params)
+  state, outputs = jax.lax.cond(
+      jnp.any(admit_S >= 0), functools.partial(_admit, eos_id=eos_id, sampling=sampling),
+      lambda state, outputs, *_: (state, outputs), state, outputs, prefix, requests, admit_S, key)
+  p, r = prefix.cache.length, requests.budget_R.shape[0]
+
+  def step(carry):
+    i, decoded, c, out = carry
+    slot_S = jnp.where(c.live_S, p + c.count_S - 1, 0)  # a finished or free slot writes harmlessly at slot 0
+    logits_Sx1xV, cache = model(c.token_S[:, None], c.position_S[:, None], DecodeSpan(c.start_S, slot_S + 1),
+                                c.cache, slot_S, decode_backend=sampling.backend)
+    request_S = jnp.minimum(c.request_S, r - 1)
+    token_S, logp_S = choose(logits_Sx1xV[:, 0], _row_keys(key, requests.uid_R[request_S], c.count_S), sampling)
+    written_S = jnp.where(c.live_S, c.request_S, r)
+    count_S = c.count_S + c.live_S
+    ended_S = c.live_S & ((token_S == eos_id) | (count_S >= requests.budget_R[request_S]))
+    out = Outputs(out.tokens_RxN.at[written_S, c.count_S].set(token_S, mode="drop"),
+                  out.logprobs_RxN.at[written_S, c.count_S].set(logp_S, mode="drop"),
+                  out.lengths_R.at[written_S].set(count_S, mode="drop"),
+                  out.eos_R.at[written_S].set(token_S == eos_id, mode="drop"))
+    decoded = decoded + c.live_S.sum(dtype=jnp.int32)
+    c = _Slots(cache, c.request_S, token_S, count_S, c.position_S + c.live_S, c.start_S, c.live_S & ~ended_S)
+    return i + 1, decoded, c, out
+
+  zero = jnp.array(0, jnp.int32)
+  i, decoded, state, outputs = jax.lax.while_loop(lambda carry: (carry[0] < steps) & jnp.any(carry[2].live_S),
+                                                  step, (zero, zero, state, outputs))
+  return state, outputs, i, decoded
+
+
+@functools.partial(jax.jit, static_argnames=("pad_id",))
+def to_rollout(outputs: Outputs, *, pad_id: int) -> Rollout:
+  """The outputs as a right-padded `Rollout` (truncated: no EOS)."""
+  mask_RxN = jnp.arange(outputs.tokens_RxN.shape[1])[None, :] < outputs.lengths_R[:, None]
+  return Rollout(jnp.where(mask_RxN, outputs.tokens_RxN, pad_id), jnp.where(mask_RxN, outputs.logprobs_RxN, 0.0),
+                 mask_RxN, outputs.lengths_R, ~outputs.eos_R)
+
+
+@dataclasses.dataclass
+class Decoded:
+  """What `decode` leaves: the outputs (device) and, on the host, which requests ended (`ended_R`, by EOS or
+  budget), how many tokens each request in flight at the stop holds (`held_R`: 0 for the others; an ended
+  request's length is in the outputs) and the figures."""
+  outputs: Outputs
+  ended_R: np.ndarray
+  held_R: np.ndarray
+  stats: EngineStats
+
+
+def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, held_R, order, rng, *, eos_id: int,
+           sampling: SamplingParams, slots: int, stop=None, row_sharding=None) -> Decoded:
+  """Decodes `requests` (device) on `slots` slots, admitting them in `order` (host request indices). Requests
+  with held_R > 0 (host int (R,), the lengths of `requests`) hold a partial sequence: they go first, at most
+  `slots` of them, re-prefilled at once under `params`; the new ones take slots as slots free. Runs until every
+  request in `order` ends, or until `stop(ended_R, decode_steps)` (a host predicate on the bool (R,) ended requests
+  and the decode steps run so far, asked after each chunk) is true; requests then in flight keep their tokens so far.
+  See the module docstring."""
+  r, n = requests.tokens_RxN.shape
+  p, s = prompt_QxP.shape[1], slots
+  held_R = np.asarray(held_R, np.int64)
+  carried = [i for i in order if held_R[i] > 0]
+  if len(carried) > s:
+    raise ValueError(f"{len(carried)} carried-over sequences do not fit {s} slots.")
+  buckets = cache_buckets(p, n, sampling.backend)
+  prefix = _prefill(graphdef, params, prompt_QxP, prompt_valid_QxP)
+  state = _starter(nnx.merge(graphdef, params).cfg, s, buckets[-1] if carried else buckets[0], r, row_sharding)()
+  outputs = _outputs_of(requests)
+  request_S, count_S, live_S = np.full(s, -1, np.int64), np.zeros(s, np.int64), np.zeros(s, bool)
+  ended_R = np.zeros(r, bool)
+  if carried:
+    k = len(carried)
+    request_S[:k], count_S[:k], live_S[:k] = carried, held_R[carried], True
+    resume_S = np.where(live_S, request_S, -1).astype(np.int32)
+    state = _resume(graphdef, params, state, prefix, requests,
+                    transfer.to_device("resume", resume_S, state.live_S.sharding))
+  queue = collections.deque(i for i in order if held_R[i] == 0)
+  chunks = slot_steps = decoded = 0
+  while queue or live_S.any():
+    admit_S = np.full(s, -1, np.int32)
+    for slot in np.flatnonzero(~live_S)[:len(queue)]:
+      admit_S[slot] = request_S[slot] = queue.popleft()
+      count_S[slot] = 1
+    occupied_S = live_S | (admit_S >= 0)
+    size = next(size for size in buckets
+                if size >= min(p + int(count_S[occupied_S].max()) + sampling.chunk - 1, buckets[-1]))
+    if size != state.cache.length:
+      state = state._replace(cache=_resized(state.cache, size))
+    admit_S = transfer.to_device("admit", admit_S, state.live_S.sharding)
+    state, outputs, steps, tokens = _chunk(graphdef, params, state, outputs, prefix, requests, admit_S, rng,
+                                           steps=sampling.chunk, eos_id=eos_id, sampling=sampling)
+    live_S, steps, tokens = transfer.to_host("slots", (state.live_S, steps, tokens))
+    ended_R[request_S[occupied_S & ~live_S]] = True
+    count_S += int(steps) * live_S
+    chunks, slot_steps, decoded = chunks + 1, slot_steps + s * int(steps), decoded + int(tokens)
+    if stop is not None and stop(ended_R, slot_steps // s):
+      break
+  held = np.zeros(r, np.int64)
+  held[request_S[live_S]] = count_S[live_S]
+  return Decoded(outputs, ended_R, held, EngineStats(chunks=chunks, slot_steps=slot_steps, decoded=decoded))
+
+
+def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
+                        pad_id: int, sampling: SamplingParams, group_size: int = 1, slots: int = 0,
+                        budget_B=None, row_sharding=None) -> tuple[Rollout, EngineStats]:
+  """`generate`'s rollout of the B left-padded requests (groups of `group_size` rows sharing a prompt, prefilled
+  once), decoded on `slots` slots (0 = B) in chunks of `sampling.chunk` steps; see the module docstring.
+
+  budget_B: optional int (B,) device array, each request's token budget (<= max_new_tokens; default max_new_tokens).
+  row_sharding: optional hashable function ndim -> sharding of the slot and request arrays along their leading
+    axis (e.g. a mesh's batch sharding); None leaves them where jit puts them.
+  Returns (the Rollout in request order, EngineStats).
+  """
+  b, n, g = prompt_BxP.shape[0], max_new_tokens, group_size
+  if n < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {n}.")
+  if g < 1 or b % g:
+    raise ValueError(f"group_size={g} must divide the batch of {b} prompts.")
+  requests = new_requests(b, group_size=g, max_new_tokens=n, pad_id=pad_id, budget_B=budget_B,
+                          row_sharding=row_sharding)
+  out = decode(graphdef, params, prompt_BxP[::g], prompt_valid_BxP[::g], requests, np.zeros(b, np.int64), range(b),
+               rng, eos_id=eos_id, sampling=sampling, slots=slots or b, row_sharding=row_sharding)
+  return to_rollout(out.outputs, pad_id=pad_id), out.stats

@@ -1,0 +1,229 @@
+"""Partial rollouts (`rollout.partial`): the continuous engine's slots never drain between steps.
+
+The requests form one stream in the synchronous run's order: prompt step t's P problems (the same as that run's
+step t) x G samples, t = 0, 1, .... Step s admits requests of prompt steps up to s + `rollout.max_lookahead`, so
+when step s's own sequences end, its slots go on with later prompts instead of idling behind the stragglers. Step
+s's generation stops at the first chunk boundary where (a) at least P groups are complete (all G samples ended,
+counting those finished in earlier steps and not yet trained) and (b) `rollout.partial_budget` decode steps have
+run this step (0: no minimum). It trains on the P oldest complete groups (prompt step, then group); the other
+finished groups wait for the next step, and the sequences still in flight are carried over: at the next step they
+are re-prefilled from their prompt and tokens under the new weights and continue. Every token records the step
+whose policy sampled it, so the loss can use the behaviour log-probs (`rl.old_logp=sampler`, or `trainer` with
+`rl.tis_cap`) and the metrics report the lag.
+
+A token at index t of request u (u = prompt step x B + row) is drawn with the key fold_in(fold_in(k, u), t),
+k = `streams.sampling_key(streams.partial_key_data(seed))`: where a sequence is cut does not change its draws.
+The carried sequences, the finished groups waiting and the stream's position are run state, saved in every
+checkpoint's meta (`state_dict`), so a resumed run continues exactly.
+
+Host crossings of a step: the request table up ("prompts": prompts, carried tokens and their log-probs), one
+upload and one download per chunk ("admit", "slots"), every request's tokens down ("tokens"), the trained batch up
+with its rewards ("rewards"), the metrics down.
+"""
+import logging
+import time
+
+import numpy as np
+
+from jaxrl_batch.rl.advantages import zero_std_group_frac
+from jaxrl_batch.rl.overlong import overlong_penalty
+from jaxrl_batch.runtime import sharding, streams, transfer
+from jaxrl_batch.sampling import continuous
+from jaxrl_batch.tasks.rewards import safe_rewards
+from jaxrl_batch.train.collector import Collector, Rollouts, _sampling_key
+
+
+def _seq(uid, prompt_row, problem, tokens, logps, versions, length, eos, reward=None):
+  return dict(uid=int(uid), prompt=prompt_row, problem=problem, tokens=tokens, logps=logps, versions=versions,
+              length=int(length), eos=bool(eos), reward=reward)
+
+
+class PartialCollector(Collector):
+  """`Collector` whose engine keeps sequences in flight across steps (see the module docstring)."""
+
+  def __init__(self, exp):
+    super().__init__(exp)
+    cfg = exp.config.rollout
+    if exp.sampling.engine != "continuous":
+      raise ValueError("rollout.partial=True carries sequences across steps in the continuous engine's slots: set "
+                       "sampling.engine='continuous'.")
+    if self.member.algo.dynamic_sampling:
+      raise ValueError("rollout.partial=True does not combine with rl.dynamic_sampling yet: turn one of them off.")
+    if cfg.partial_budget < 0 or cfg.max_lookahead < 0:
+      raise ValueError(f"rollout.partial_budget={cfg.partial_budget} and rollout.max_lookahead={cfg.max_lookahead} "
+                       "must be >= 0.")
+    self.budget, self.lookahead = int(cfg.partial_budget), int(cfg.max_lookahead)
+    m = self.member
+    self.slots = self.slots or m.batch_size
+    self.capacity = self.slots + (self.lookahead + 1) * m.batch_size  # requests of one call: carried + new
+    self.prompt_capacity = self.slots + (self.lookahead + 1) * m.num_prompts
+    self.next_uid = 0  # the stream's first request not yet started
+    self.carried: list[dict] = []  # in flight at the last stop: uid, prompt row, tokens so far, ...
+    self.finished: dict[int, dict] = {}  # ended, not yet trained, by uid
+    self._problems: dict[int, list] = {}
+
+  # -- run state ------------------------------------------------------------------------------------------------
+
+  def state_dict(self) -> dict:
+    """The JSON-able run state: the stream's position, the carried sequences and the finished ones waiting."""
+    def plain(seq):
+      return dict(uid=seq["uid"], tokens=seq["tokens"][:seq["length"]].tolist(),
+                  logps=seq["logps"][:seq["length"]].tolist(), versions=seq["versions"][:seq["length"]].tolist(),
+                  eos=seq["eos"], reward=seq["reward"])
+    return dict(next_uid=self.next_uid, carried=[plain(s) for s in self.carried],
+                finished=[plain(s) for s in self.finished.values()])
+
+  def load_state_dict(self, state: dict) -> None:
+    n = self.exp.response_len
+
+    def full(values, dtype, fill):
+      out = np.full(n, fill, dtype)
+      out[:len(values)] = values
+      return out
+
+    def seq(d):
+      prompt_row, problem = self._request(d["uid"])
+      return _seq(d["uid"], prompt_row, problem, full(d["tokens"], np.int32, self.exp.tokenizer.pad_id),
+                  full(d["logps"], np.float32, 0.0), full(d["versions"], np.int32, 0), len(d["tokens"]), d["eos"],
+                  d["reward"])
+    self.next_uid = int(state["next_uid"])
+    self.carried = [seq(d) for d in state["carried"]]
+    self.finished = {d["uid"]: seq(d) for d in state["finished"]}
+
+  # -- the stream -----------------------------------------------------------------------------------------------
+
+  def _request(self, uid: int):
+    """(prompt row: tokens_P, valid_P; problem) of stream request `uid`."""
+    m = self.member
+    t, row = divmod(uid, m.batch_size)
+    if t not in self._problems:
+      problems = self.exp.task.train_problems(streams.rl_prompt_seed(m.seed, 0), t, m.num_prompts)
+      self._problems[t] = (problems, self.exp.encode_prompts(problems))
+      for old in [k for k in self._problems if k < t - self.lookahead - 2]:
+        del self._problems[old]
+    problems, (tokens_PxL, valid_PxL) = self._problems[t]
+    i = row // m.group_size
+    return (tokens_PxL[i], valid_PxL[i]), problems[i]
+
+  # -- one step -------------------------------------------------------------------------------------------------
+
+  def _decode(self, graphdef, params, step: int):
+    """One call of the engine for step `step`; moves ended sequences to `finished` and refreshes `carried`.
+    Returns (EngineStats, sequences ended this step)."""
+    exp, m = self.exp, self.member
+    n, g, pad = exp.response_len, m.group_size, exp.tokenizer.pad_id
+    end_uid = min((step + self.lookahead + 1) * m.batch_size, self.next_uid + self.capacity - len(self.carried))
+    reqs = self.carried + [dict(uid=u, prompt=self._request(u)[0], problem=self._request(u)[1])
+                           for u in range(self.next_uid, end_uid)]
+    prompts, prompt_R = [], []
+    for i, req in enumerate(reqs):  # a carried request has its own prompt row; new ones share their group's
+      if i <= len(self.carried) or req["uid"] % g == 0:
+        prompts.append(req["prompt"])
+      prompt_R.append(len(prompts) - 1)
+    r, q = self.capacity, self.prompt_capacity
+    prompt_QxP = np.full((q, exp.prompt_len), pad, np.int32)
+    valid_QxP = np.zeros((q, exp.prompt_len), bool)
+    for i, (tokens_P, valid_P) in enumerate(prompts):
+      prompt_QxP[i], valid_QxP[i] = tokens_P, valid_P
+    tokens_RxN, logps_RxN = np.full((r, n), pad, np.int32), np.zeros((r, n), np.float32)
+    held_R, uid_R, prompt_rows_R = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
+    prompt_rows_R[:len(reqs)], uid_R[:len(reqs)] = prompt_R, [req["uid"] for req in reqs]
+    for i, seq in enumerate(self.carried):
+      tokens_RxN[i], logps_RxN[i], held_R[i] = seq["tokens"], seq["logps"], seq["length"]
+    rows = sharding.batch_sharding(exp.mesh, 1)
+    device = transfer.to_device(
+        "prompts", (prompt_QxP, valid_QxP, prompt_rows_R, uid_R, np.full(r, n, np.int32), tokens_RxN, logps_RxN,
+                    held_R, streams.partial_key_data(m.seed)),
+        (sharding.replicated(exp.mesh),) * 2 + (rows,) * 3 + (sharding.batch_sharding(exp.mesh, 2),) * 2 +
+        (rows, sharding.replicated(exp.mesh)))
+    requests = continuous.Requests(*device[2:8])
+
+    def stop(ended_R, decode_steps):
+      ended = {int(uid_R[i]) for i in np.flatnonzero(ended_R)}
+      return decode_steps >= self.budget and len(self._complete_groups(ended)) >= m.num_prompts
+
+    out = continuous.decode(graphdef, params, device[0], device[1], requests, held_R, range(len(reqs)),
+                            _sampling_key(device[8]), eos_id=exp.stop_id, sampling=exp.sampling, slots=self.slots,
+                            stop=stop, row_sharding=self._row_sharding)
+    tokens_RxN, logps_RxN, lengths_R, eos_R = transfer.to_host("tokens", tuple(out.outputs))
+    ended, carried = [], []
+    for i, req in enumerate(reqs):
+      held = int(out.held_R[i])
+      if not out.ended_R[i] and held == 0:
+        break  # never admitted (admission is in stream order): it and those after it start at the next call
+      if i >= len(self.carried):
+        self.next_uid = req["uid"] + 1
+      length = int(lengths_R[i]) if out.ended_R[i] else held
+      versions = req["versions"].copy() if "versions" in req else np.zeros(n, np.int32)
+      versions[int(held_R[i]):length] = step
+      seq = _seq(req["uid"], req["prompt"], req["problem"], tokens_RxN[i].copy(), logps_RxN[i].copy(), versions,
+                 length, out.ended_R[i] and eos_R[i])
+      (ended if out.ended_R[i] else carried).append(seq)
+    self.carried = carried
+    return out.stats, ended
+
+  def _complete_groups(self, also_ended: set) -> list[int]:
+    """First uids of the groups whose G samples have all ended (waiting in `finished`, or in `also_ended`)."""
+    g = self.member.group_size
+    ended = set(self.finished) | also_ended
+    return sorted(u for u in ended if u % g == 0 and all(u + j in ended for j in range(g)))
+
+  def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]
+              ) -> tuple[Rollouts, object, list, dict]:
+    exp, m, algo = self.exp, self.member, self.member.algo
+    g, b, n = m.group_size, m.batch_size, exp.response_len
+    t0 = time.time()
+    calls, ended = [], []
+    while not calls or len(self._complete_groups({s["uid"] for s in ended})) < m.num_prompts:
+      engine_stats, now = self._decode(graphdef, params, step)  # more than one call only when the table was full
+      calls.append(engine_stats)
+      ended += now
+    t1 = time.time()
+    if ended:
+      mask_ExN = np.arange(n)[None, :] < np.array([s["length"] for s in ended])[:, None]
+      completions = exp.decode_responses(np.stack([s["tokens"] for s in ended]), mask_ExN)
+      rewards, errors, first = safe_rewards(exp.task, completions, [s["problem"] for s in ended])
+      if errors:
+        logging.warning("Step %d: the reward function raised on %d samples (scored 0); first: %s", step, errors,
+                        first)
+      for seq, reward in zip(ended, rewards):
+        seq["reward"] = float(reward)
+        self.finished[seq["uid"]] = seq
+    else:
+      errors = 0
+    reward_s = time.time() - t1
+    groups = self._complete_groups(set())[:m.num_prompts]
+    batch = [self.finished.pop(u + j) for u in groups for j in range(g)]
+    lengths_B = np.array([s["length"] for s in batch])
+    mask_BxN = np.arange(n)[None, :] < lengths_B[:, None]
+    truncated_B = np.array([not s["eos"] for s in batch])
+    rewards_B = np.array([s["reward"] for s in batch], np.float32)
+    trained_B = np.ones(b, bool)
+    if algo.overlong == "penalty":
+      rewards_B = rewards_B + overlong_penalty(lengths_B, truncated_B, n, algo.overlong_buffer, algo.overlong_penalty)
+    elif algo.overlong == "mask":
+      trained_B &= ~truncated_B
+    lag_BxN = np.where(mask_BxN, step - np.stack([s["versions"] for s in batch]), 0)
+    spans_B = np.array([len(set(s["versions"][:s["length"]].tolist())) > 1 for s in batch])
+    mesh = exp.mesh
+    replicated, rows = sharding.replicated(mesh), lambda ndim: sharding.batch_sharding(mesh, ndim)
+    host = (np.stack([s["prompt"][0] for s in batch]), np.stack([s["prompt"][1] for s in batch]),
+            np.stack([s["tokens"] for s in batch]) * mask_BxN + exp.tokenizer.pad_id * ~mask_BxN,
+            np.stack([s["logps"] for s in batch]) * mask_BxN, mask_BxN, rewards_B.astype(np.float32), trained_B)
+    uploaded = transfer.to_device("rewards", (host, np.float32(kl_coef), orders),
+                                  (tuple(rows(x.ndim) for x in host), replicated, [replicated] * len(orders)))
+    (device, device_kl_coef, device_orders) = uploaded
+    every = np.array([s["reward"] for s in ended]) if ended else np.zeros(1)
+    lengths_every = np.array([s["length"] for s in ended]) if ended else np.zeros(1)
+    stats = dict(rollout_s=t1 - t0, reward_s=reward_s, samples_generated=len(ended), sampling_rounds=1,
+                 reward_mean=float(every.mean()), reward_std=float(every.std()),
+                 response_len_mean=float(lengths_every.mean()),
+                 truncated_frac=float(np.mean([not s["eos"] for s in ended])) if ended else 0.0,
+                 zero_std_group_frac=float(zero_std_group_frac(rewards_B, g)) if g > 1 else 0.0,
+                 reward_errors=int(errors),
+                 useful_token_frac=sum(c.decoded for c in calls) / max(sum(c.slot_steps for c in calls), 1),
+                 rollout_chunks=sum(c.chunks for c in calls),
+                 policy_lag_mean=float(lag_BxN.sum() / mask_BxN.sum()), policy_lag_max=int(lag_BxN.max()),
+                 partial_frac=float(spans_B.mean()), carried_over=len(self.carried),
+                 trained_samples=int(trained_B.sum()))
+    return Rollouts(*device), device_kl_coef, device_orders, stats

@@ -1,0 +1,175 @@
+"""The continuous engine against the static one: greedy tokens and log-probs equal under refills at different times
+(per-request budgets), sampled tokens independent of the slot count and the chunk, the cache sized to the longest
+live sequence (grown and shrunk), per-request budgets, one upload and one download per chunk, no recompiles, the
+Pallas backend, and the same rollout on a mesh of 8 fake devices."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.runtime import sharding, transfer
+from jaxrl_batch.sampling import SamplingParams, continuous, generate, generate_continuous, rollout, static_stats
+
+V, EOS, PAD, N = 24, 2, 0, 12
+CFG = ModelConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  return sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(3)), mesh, sharding.DEFAULT_RULES)
+
+
+def _requests(seed, prompts=4, group=2, width=5):
+  """`prompts` random left-padded prompts of 1..width tokens (no EOS or PAD), each repeated `group` times, and a
+  per-request token budget in [1, N]."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, width + 1, prompts)
+  valid = np.arange(width)[None, :] >= width - lengths[:, None]
+  prompt = np.where(valid, rng.integers(3, V, (prompts, width)), PAD)
+  budget = rng.integers(1, N + 1, prompts * group)
+  return (jnp.repeat(jnp.asarray(prompt, jnp.int32), group, axis=0), jnp.repeat(jnp.asarray(valid), group, axis=0),
+          jnp.asarray(budget, jnp.int32))
+
+
+def _static(tiny, prompt, valid, budget, sampling, group=2):
+  return generate(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
+                  sampling=sampling, group_size=group, budget_B=budget)
+
+
+def _continuous(tiny, prompt, valid, budget, sampling, slots, group=2):
+  return generate_continuous(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
+                             sampling=sampling, group_size=group, slots=slots, budget_B=budget)
+
+
+def _assert_same(a, b, atol=1e-5):
+  for name in ("tokens_BxN", "mask_BxN", "lengths_B", "truncated_B"):
+    np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
+  np.testing.assert_allclose(np.asarray(a.logprobs_BxN), np.asarray(b.logprobs_BxN), atol=atol)
+
+
+@pytest.mark.parametrize("slots,chunk", [(1, 16), (3, 2), (5, 1), (8, 4)])
+def test_greedy_tokens_equal_the_static_engine_whatever_slots_and_chunk(tiny, slots, chunk):
+  prompt, valid, budget = _requests(0)
+  expected = _static(tiny, prompt, valid, budget, SamplingParams(temperature=0.0, attention_backend="xla"))
+  assert len(set(np.asarray(expected.lengths_B).tolist())) > 3  # slots end, and are refilled, at different times
+  got, stats = _continuous(tiny, prompt, valid, budget,
+                           SamplingParams(temperature=0.0, attention_backend="xla", engine="continuous", chunk=chunk),
+                           slots)
+  _assert_same(got, expected)
+  lengths = np.asarray(expected.lengths_B)
+  assert stats.decoded == (lengths - 1).sum() and stats.slot_steps >= stats.decoded
+  assert np.all(lengths <= np.asarray(budget))
+
+
+def test_sampled_tokens_do_not_depend_on_slots_or_chunk(tiny):
+  prompt, valid, budget = _requests(1)
+  runs = [_continuous(tiny, prompt, valid, budget, SamplingParams(temperature=1.0, attention_backend="xla",
+                                                                  engine="continuous", chunk=chunk), slots)[0]
+          for slots, chunk in ((8, 16), (2, 3), (1, 1))]
+  for other in runs[1:]:
+    _assert_same(other, runs[0])
+  # EOS ends sequences before their budget in some rows: the engine stops a row at EOS, and marks it untruncated.
+  truncated, lengths = np.asarray(runs[0].truncated_B), np.asarray(runs[0].lengths_B)
+  np.testing.assert_array_equal(truncated, np.asarray(runs[0].tokens_BxN)[np.arange(8), lengths - 1] != EOS)
+
+
+def test_pallas_backend_gives_the_xla_tokens(tiny):
+  prompt, valid, budget = _requests(2)
+  runs = [_continuous(tiny, prompt, valid, budget, SamplingParams(temperature=0.0, attention_backend=backend,
+                                                                  engine="continuous", chunk=4), 3)[0]
+          for backend in ("xla", "pallas")]
+  _assert_same(runs[1], runs[0], atol=1e-4)
+
+
+def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
+  # The cache grows to the long request's bucket, then shrinks back once only short requests remain.
+  sizes = []
+  chunk = continuous._chunk
+
+  def logged(graphdef, params, state, *args, **kwargs):
+    sizes.append(state.cache.length)
+    return chunk(graphdef, params, state, *args, **kwargs)
+
+  monkeypatch.setattr(continuous, "_chunk", logged)
+  # One long request (budget N) then 15 short ones (budget 2: one decode step each), 2 slots, chunk 1.
+  prompt, valid, _ = _requests(3, prompts=16, group=1, width=5)
+  budget = jnp.asarray([N] + [2] * 15, jnp.int32)
+  _continuous(tiny, prompt, valid, budget, SamplingParams(temperature=0.0, attention_backend="xla",
+                                                          engine="continuous", chunk=1), 2, group=1)
+  p = prompt.shape[1]
+  assert sizes[0] == 8 and max(sizes) == p + N - 1  # cache_buckets(5, 12): (8, 16)
+  assert set(sizes) <= {8, p + N - 1}
+  assert sizes[-1] == 8 and sizes.index(p + N - 1) > 0  # grown for the long request, shrunk after it
+
+
+def test_one_upload_and_one_download_per_chunk_and_no_recompiles(tiny):
+  sampling = SamplingParams(temperature=1.0, attention_backend="xla", engine="continuous", chunk=3)
+  prompt, valid, budget = _requests(4)
+  _continuous(tiny, prompt, valid, budget, sampling, 3)
+  compiled = continuous._chunk._cache_size()
+  transfer.reset()
+  prompt, valid, budget = _requests(5)
+  _, stats = _continuous(tiny, prompt, valid, budget, sampling, 3)
+  assert transfer.counts() == {"admit": stats.chunks, "slots": stats.chunks}
+  assert continuous._chunk._cache_size() == compiled
+
+
+def test_static_blocks_and_their_figures(tiny):
+  prompt, valid, budget = _requests(6)
+  greedy = SamplingParams(temperature=0.0, attention_backend="xla")
+  whole = _static(tiny, prompt, valid, budget, greedy)
+  blocks, stats = rollout(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
+                          sampling=greedy, group_size=2, slots=4, budget_B=budget)
+  assert stats is None
+  _assert_same(blocks, whole)
+  lengths = np.asarray(whole.lengths_B)
+  figures = static_stats(lengths, 4)
+  assert figures.slot_steps == 4 * (lengths[:4].max() - 1) + 4 * (lengths[4:].max() - 1)
+  assert figures.decoded == (lengths - 1).sum()
+  with pytest.raises(ValueError, match="multiple of group_size"):
+    rollout(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD, sampling=greedy,
+            group_size=2, slots=3)
+
+
+def test_a_mesh_of_8_devices_gives_the_single_device_rollout(tiny):
+  prompt, valid, budget = _requests(7, prompts=8, group=2)
+  sampling = SamplingParams(temperature=1.0, attention_backend="xla", engine="continuous", chunk=4)
+  expected, _ = _continuous(tiny, prompt, valid, budget, sampling, 8)
+  mesh = sharding.make_mesh(8, 1, 1)
+  graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(3)), mesh, sharding.DEFAULT_RULES)
+  rows = sharding.batch_sharding(mesh, 2)
+  with jax.set_mesh(mesh):
+    got, _ = generate_continuous(graphdef, params, jax.device_put(prompt, rows), jax.device_put(valid, rows),
+                                 jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD, sampling=sampling,
+                                 group_size=2, slots=8, budget_B=budget,
+                                 row_sharding=lambda ndim: sharding.batch_sharding(mesh, ndim))
+  assert not got.tokens_BxN.sharding.is_fully_replicated  # the requests stay split over the 8 devices
+  _assert_same(got, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny, temperature):
+  # Stop after two chunks, then decode again with the partial sequences carried over (re-prefilled from their
+  # prompt and tokens): the same tokens as one uninterrupted call, the carried ones first into the slots.
+  prompt, valid, budget = _requests(8)
+  sampling = SamplingParams(temperature=temperature, attention_backend="xla", engine="continuous", chunk=2)
+  requests = continuous.new_requests(8, group_size=2, max_new_tokens=N, pad_id=PAD, budget_B=budget)
+  expected, _ = _continuous(tiny, prompt, valid, budget, sampling, 3)
+  args = (*tiny, prompt[::2], valid[::2])
+  chunks = []
+  first = continuous.decode(*args, requests, np.zeros(8), range(8), jax.random.key(0), eos_id=EOS, sampling=sampling,
+                            slots=3, stop=lambda ended, steps: chunks.append(steps) or len(chunks) == 2)
+  held = first.held_R
+  assert 0 < (held > 0).sum() <= 3 and not first.ended_R.all()
+  out = first.outputs
+  lengths = jnp.where(jnp.asarray(held > 0), jnp.asarray(held, jnp.int32), 0)
+  carried = requests._replace(tokens_RxN=out.tokens_RxN, logprobs_RxN=out.logprobs_RxN, lengths_R=lengths)
+  rest = [i for i in range(8) if not first.ended_R[i]]
+  second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=sampling, slots=3)
+  assert second.ended_R[rest].all()
+  merged = continuous.Outputs(*(jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b)
+                                for a, b in zip(out, second.outputs)))
+  _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
