@@ -223,6 +223,8 @@ def _partial_record(s: Settings, graphdef, params, eos_id: int, prompt_RxP: np.n
                 rollouts=len(lengths_R), partial_budget=s.partial_budget, length_mean=float(lengths_R.mean()),
                 length_max=int(lengths_R.max()), steady_steps=out.steps, decode_s=out.seconds,
                 decode_tok_s=out.decode_tok_s, decode_step_ms=1e3 * out.seconds * slots / max(out.slot_steps, 1),
+                reprefill_s=out.reprefill_s, decode_tok_s_without_reprefill=out.decoded / max(
+                    out.seconds - out.reprefill_s, 1e-9),
                 slot_steps=out.slot_steps, decoded=out.decoded, useful_token_frac=out.useful_token_frac,
                 carried_mean=out.carried_mean, bandwidth_bytes_per_s=rates["bandwidth_bytes_per_s"],
                 matmul_flops_per_s=rates["matmul_flops_per_s"], live_len=live_len,

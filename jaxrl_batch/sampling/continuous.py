@@ -24,6 +24,7 @@ tokens do not depend on the slot count, the chunk, the requests beside it or whe
 import collections
 import dataclasses
 import functools
+import time
 from typing import NamedTuple
 
 import jax
@@ -83,11 +84,13 @@ class Outputs(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
   """Host figures of one rollout: `chunks` run (host syncs: one upload and one download each), `slot_steps`
-  (slots x decode steps run, live or not) and `decoded` (tokens chosen by decode steps: every token but each
-  request's first, which comes from the prefill)."""
+  (slots x decode steps run, live or not), `decoded` (tokens chosen by decode steps: every token but each
+  request's first, which comes from the prefill) and `reprefill_s`, the seconds spent re-prefilling carried-over
+  sequences (0 without them)."""
   chunks: int
   slot_steps: int
   decoded: int
+  reprefill_s: float = 0.0
 
   @property
   def useful_token_frac(self) -> float:
@@ -305,12 +308,15 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
   outputs = _outputs_of(requests)
   request_S, count_S, live_S = np.full(s, -1, np.int64), np.zeros(s, np.int64), np.zeros(s, bool)
   ended_R = np.zeros(r, bool)
+  reprefill_s = 0.0
   if carried:
     k = len(carried)
     request_S[:k], count_S[:k], live_S[:k] = carried, held_R[carried], True
     resume_S = np.where(live_S, request_S, -1).astype(np.int32)
-    state = _resume(graphdef, params, state, prefix, requests,
-                    transfer.to_device("resume", resume_S, state.live_S.sharding))
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(_resume(graphdef, params, state, prefix, requests,
+                                          transfer.to_device("resume", resume_S, state.live_S.sharding)))
+    reprefill_s = time.perf_counter() - t0
   queue = collections.deque(i for i in order if held_R[i] == 0)
   chunks = slot_steps = decoded = 0
   while queue or live_S.any():
@@ -334,7 +340,8 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
       break
   held = np.zeros(r, np.int64)
   held[request_S[live_S]] = count_S[live_S]
-  return Decoded(outputs, ended_R, held, EngineStats(chunks=chunks, slot_steps=slot_steps, decoded=decoded))
+  return Decoded(outputs, ended_R, held, EngineStats(chunks=chunks, slot_steps=slot_steps, decoded=decoded,
+                                                     reprefill_s=reprefill_s))
 
 
 def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,

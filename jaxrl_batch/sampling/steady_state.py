@@ -19,10 +19,12 @@ from jaxrl_batch.sampling import continuous
 
 @dataclasses.dataclass(frozen=True)
 class SteadyState:
-  """Figures of the steady-state steps: their count, seconds (decode and re-prefill, no scoring), tokens decoded,
-  slot-steps, sequences ended, and the mean number carried into a step."""
+  """Figures of the steady-state steps: their count, seconds (decode and re-prefill, no scoring) and the part of
+  them spent re-prefilling the carried sequences, tokens decoded, slot-steps, sequences ended, and the mean number
+  carried into a step."""
   steps: int
   seconds: float
+  reprefill_s: float
   decoded: int
   slot_steps: int
   ended: int
@@ -49,7 +51,7 @@ def run(graphdef, params, prompt_RxP, valid_RxP, budget_R: np.ndarray, rng, *, s
   table = slots + fresh
   next_request, carried = 0, []  # carried: (request, tokens_N, logps_N, held)
   steps = decoded = slot_steps = ended = carried_total = 0
-  seconds = 0.0
+  seconds = reprefill_s = 0.0
   while next_request < r or carried:
     new = list(range(next_request, min(next_request + fresh, r)))
     rows = [c[0] for c in carried] + new
@@ -74,8 +76,8 @@ def run(graphdef, params, prompt_RxP, valid_RxP, budget_R: np.ndarray, rng, *, s
     carried = [(rows[i], tokens_TxN[i], logps_TxN[i], int(out.held_R[i])) for i in started if not out.ended_R[i]]
     next_request = max([next_request] + [rows[i] + 1 for i in started if i >= carried_in])
     if next_request < r:  # the stream did not run dry: a steady-state step
-      steps, seconds = steps + 1, seconds + elapsed
+      steps, seconds, reprefill_s = steps + 1, seconds + elapsed, reprefill_s + out.stats.reprefill_s
       decoded, slot_steps = decoded + out.stats.decoded, slot_steps + out.stats.slot_steps
       ended, carried_total = ended + int(out.ended_R.sum()), carried_total + carried_in
-  return SteadyState(steps=steps, seconds=seconds, decoded=decoded, slot_steps=slot_steps, ended=ended,
+  return SteadyState(steps=steps, seconds=seconds, reprefill_s=reprefill_s, decoded=decoded, slot_steps=slot_steps, ended=ended,
                      carried_mean=carried_total / max(steps, 1))

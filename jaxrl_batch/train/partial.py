@@ -113,7 +113,7 @@ class PartialCollector(Collector):
     exp, m = self.exp, self.member
     n, g, pad = exp.response_len, m.group_size, exp.tokenizer.pad_id
     end_uid = min((step + self.lookahead + 1) * m.batch_size, self.next_uid + self.capacity - len(self.carried))
-    reqs = self.carried + [dict(uid=u, prompt=self._request(u)[0], problem=self._request(u)[1])
+    reqs = self.carried + [dict(zip(("uid", "prompt", "problem"), (u, *self._request(u))))
                            for u in range(self.next_uid, end_uid)]
     prompts, prompt_R = [], []
     for i, req in enumerate(reqs):  # a carried request has its own prompt row; new ones share their group's
@@ -223,6 +223,7 @@ class PartialCollector(Collector):
                  reward_errors=int(errors),
                  useful_token_frac=sum(c.decoded for c in calls) / max(sum(c.slot_steps for c in calls), 1),
                  rollout_chunks=sum(c.chunks for c in calls),
+                 reprefill_s=sum(c.reprefill_s for c in calls),
                  policy_lag_mean=float(lag_BxN.sum() / mask_BxN.sum()), policy_lag_max=int(lag_BxN.max()),
                  partial_frac=float(spans_B.mean()), carried_over=len(self.carried),
                  trained_samples=int(trained_B.sum()))
