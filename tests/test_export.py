@@ -106,11 +106,10 @@ def test_the_continuous_engine_lowers(model, platform, backend):
   graphdef, params = model
   sampling = SamplingParams(temperature=1.0, attention_backend=backend, engine="continuous", chunk=4)
   s, r, q = 2, 4, 2
-  state = jax.eval_shape(lambda: continuous._empty(CFG, s, P + N - 1, r))
   prefix = jax.eval_shape(lambda prompt, valid: continuous._prefill(graphdef, params, prompt, valid),
                           _sds((q, P), jnp.int32), _sds((q, P), jnp.bool_))
   requests = jax.eval_shape(lambda: continuous.new_requests(r, group_size=2, max_new_tokens=N, pad_id=0))
-  outputs = jax.eval_shape(continuous._outputs_of, requests)
+  state, outputs = jax.eval_shape(lambda p, q: continuous._start(p, q, slots=s, length=P + N - 1), prefix, requests)
   key = jax.eval_shape(lambda: jax.random.key(0))
 
   def chunk(params, state, outputs, prefix, requests, admit_S, key):

@@ -114,21 +114,31 @@ def _prefill(graphdef, params, prompt_QxP, valid_QxP) -> _Prefix:
                  prompt_QxP, valid_QxP)
 
 
-def _empty(cfg, slots: int, length: int, requests: int):
-  """Free slots with a cache of `length` slots."""
-  s, r = slots, requests
+def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int) -> tuple[_Slots, Outputs]:
+  """Free slots with a cache of `length` slots (the prefill's layers, kv heads, head width and dtype), and fresh
+  output buffers (the chunks donate them) holding the requests' tokens so far."""
+  s, r = slots, requests.budget_R.shape[0]
   zeros_S = jnp.zeros((s,), jnp.int32)
-  return _Slots(KVCache.zeros(cfg, s, length), jnp.full((s,), r, jnp.int32), zeros_S, zeros_S, zeros_S, zeros_S,
-                jnp.zeros((s,), bool))
+  like = prefix.cache
+  cache = KVCache(tuple(jnp.zeros((s, *k.shape[1:3], length), k.dtype) for k in like.k_layers),
+                  tuple(jnp.zeros((s, v.shape[1], length, v.shape[3]), v.dtype) for v in like.v_layers))
+  state = _Slots(cache, jnp.full((s,), r, jnp.int32), zeros_S, zeros_S, zeros_S, zeros_S, jnp.zeros((s,), bool))
+  outputs = Outputs(jnp.copy(requests.tokens_RxN), jnp.copy(requests.logprobs_RxN), jnp.copy(requests.lengths_R),
+                    jnp.zeros_like(requests.lengths_R, bool))
+  return state, outputs
 
 
 @functools.lru_cache(maxsize=None)
-def _starter(cfg, slots: int, length: int, requests: int, row_sharding):
-  """A jitted function returning `_empty`'s slots, their leading axis laid out by `row_sharding` (if given)."""
-  empty = functools.partial(_empty, cfg, slots, length, requests)
+def _starter(slots: int, length: int, layers: int, row_sharding):
+  """`_start` jitted for a model of `layers` layers, its outputs' leading axes laid out by `row_sharding` (if
+  given)."""
+  start = functools.partial(_start, slots=slots, length=length)
   if row_sharding is None:
-    return jax.jit(empty)
-  return jax.jit(empty, out_shardings=jax.tree.map(lambda x: row_sharding(x.ndim), jax.eval_shape(empty)))
+    return jax.jit(start)
+  cache = KVCache(*(tuple(row_sharding(4) for _ in range(layers)),) * 2)
+  state = _Slots(cache, *(row_sharding(1),) * 6)
+  return jax.jit(start, out_shardings=(state, Outputs(row_sharding(2), row_sharding(2), row_sharding(1),
+                                                      row_sharding(1))))
 
 
 def _new_requests(budget_B, batch: int, group_size: int, max_new_tokens: int, pad_id: int) -> Requests:
@@ -157,13 +167,6 @@ def new_requests(batch: int, *, group_size: int, max_new_tokens: int, pad_id: in
   `generate_continuous`'s. Built on the device: nothing crosses from the host."""
   make = _request_maker(batch, group_size, max_new_tokens, pad_id, budget_B is not None, row_sharding)
   return make() if budget_B is None else make(budget_B)
-
-
-@jax.jit
-def _outputs_of(requests: Requests) -> Outputs:
-  """Fresh output buffers (the chunks donate them) holding the requests' tokens so far."""
-  return Outputs(jnp.copy(requests.tokens_RxN), jnp.copy(requests.logprobs_RxN), jnp.copy(requests.lengths_R),
-                 jnp.zeros_like(requests.lengths_R, bool))
 
 
 @functools.partial(jax.jit, static_argnames=("length",))
@@ -304,8 +307,8 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
     raise ValueError(f"{len(carried)} carried-over sequences do not fit {s} slots.")
   buckets = cache_buckets(p, n, sampling.backend)
   prefix = _prefill(graphdef, params, prompt_QxP, prompt_valid_QxP)
-  state = _starter(nnx.merge(graphdef, params).cfg, s, buckets[-1] if carried else buckets[0], r, row_sharding)()
-  outputs = _outputs_of(requests)
+  start = _starter(s, buckets[-1] if carried else buckets[0], len(prefix.cache.k_layers), row_sharding)
+  state, outputs = start(prefix, requests)
   request_S, count_S, live_S = np.full(s, -1, np.int64), np.zeros(s, np.int64), np.zeros(s, bool)
   ended_R = np.zeros(r, bool)
   reprefill_s = 0.0
