@@ -71,15 +71,10 @@ def test_run_writes_the_metrics_contract(tmp_path, base_cache):
   assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 6
 
 
-@pytest.mark.parametrize("module, overrides", [
-    (grpo_arith, {}),
-    (ppo_arith, {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}),
-], ids=["grpo", "ppo_adaptive_kl_dynamic_sampling"])
-def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, module, overrides):
-  straight = str(tmp_path / "straight")
-  Trainer(debug_config(base_cache, module, **overrides), straight, devices=ONE_DEVICE).run()
-
-  resumed = str(tmp_path / "resumed")
+def _straight_and_resumed(tmp_path, monkeypatch, config):
+  """Rows of an uninterrupted run of `config()` and of one killed at step 3, then rerun to the end."""
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  Trainer(config(), straight, devices=ONE_DEVICE).run()
   original = Trainer._train_step
   def crash_at_step_3(self, state, step):
     if step == 3:
@@ -87,12 +82,19 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkey
     return original(self, state, step)
   monkeypatch.setattr(Trainer, "_train_step", crash_at_step_3)
   with pytest.raises(KeyboardInterrupt):
-    Trainer(debug_config(base_cache, module, **overrides), resumed, devices=ONE_DEVICE).run()
+    Trainer(config(), resumed, devices=ONE_DEVICE).run()
   monkeypatch.setattr(Trainer, "_train_step", original)
   # Step 3 was logged after the checkpoint at step 2, then the run died: the rerun drops it and redoes it.
-  Trainer(debug_config(base_cache, module, **overrides), resumed, devices=ONE_DEVICE).run()
+  Trainer(config(), resumed, devices=ONE_DEVICE).run()
+  return read_rows(straight), read_rows(resumed)
 
-  a, b = read_rows(straight), read_rows(resumed)
+
+@pytest.mark.parametrize("module, overrides", [
+    (grpo_arith, {}),
+    (ppo_arith, {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}),
+], ids=["grpo", "ppo_adaptive_kl_dynamic_sampling"])
+def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, module, overrides):
+  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, **overrides))
   assert [r["step"] for r in a] == [r["step"] for r in b]
   # The first training row of each session includes compilation; the analysis leaves its seconds out.
   assert [r["cold"] for r in a if "reward_mean" in r] == [True] + [False] * 5
@@ -110,21 +112,7 @@ def test_partial_rollouts_carried_across_a_kill_resume_to_the_same_result(tmp_pa
   # and the carried sequences continue under new weights.
   from jaxrl_batch.tasks.arithmetic import ArithmeticTask
   monkeypatch.setattr(ArithmeticTask, "reward", lambda self, completion, problem: len(completion) % 3 / 2)
-  straight = str(tmp_path / "straight")
-  Trainer(debug_config(base_cache, **PARTIAL), straight, devices=ONE_DEVICE).run()
-  resumed = str(tmp_path / "resumed")
-  original = Trainer._train_step
-  def crash_at_step_3(self, state, step):
-    if step == 3:
-      raise KeyboardInterrupt("simulated kill")
-    return original(self, state, step)
-  monkeypatch.setattr(Trainer, "_train_step", crash_at_step_3)
-  with pytest.raises(KeyboardInterrupt):
-    Trainer(debug_config(base_cache, **PARTIAL), resumed, devices=ONE_DEVICE).run()
-  monkeypatch.setattr(Trainer, "_train_step", original)
-  Trainer(debug_config(base_cache, **PARTIAL), resumed, devices=ONE_DEVICE).run()
-
-  a, b = read_rows(straight), read_rows(resumed)
+  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **PARTIAL))
   train = [r for r in a if "reward_mean" in r]
   assert [r["samples"] for r in train] == [32 * s for s in range(1, 7)]  # B rollouts trained per step
   assert train[1]["carried_over"] > 0  # the checkpoint at step 2 holds sequences in flight
