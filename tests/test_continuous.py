@@ -173,3 +173,73 @@ def test_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny, temper
   merged = continuous.Outputs(*(jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b)
                                 for a, b in zip(out, second.outputs)))
   _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
+
+
+def _paged(page_size, pages=0, chunk=2, temperature=0.0, backend="xla"):
+  return SamplingParams(temperature=temperature, attention_backend=backend, engine="continuous", chunk=chunk,
+                        page_size=page_size, pages=pages)
+
+
+@pytest.mark.parametrize("page_size,slots", [(2, 3), (4, 5), (16, 8)])
+def test_a_paged_cache_gives_the_static_engine_tokens(tiny, page_size, slots):
+  # Prompts of 5 slots are left-padded to a multiple of the page; the samples of a prompt share its pages.
+  prompt, valid, budget = _requests(9)
+  expected = _static(tiny, prompt, valid, budget, SamplingParams(temperature=0.0, attention_backend="xla"))
+  got, stats = _continuous(tiny, prompt, valid, budget, _paged(page_size), slots)
+  _assert_same(got, expected, atol=1e-4)
+  assert stats.preempted == 0 and 0 < stats.pages_peak <= slots * -(-(N - 1) // page_size)
+
+
+@pytest.mark.parametrize("temperature,pages", [(0.0, 10), (1.0, 6)])
+def test_a_short_pool_preempts_and_re_prefills_to_the_same_tokens(tiny, temperature, pages):
+  # 6 pages of 2 slots hold one sequence at the longest length (11 tokens), 10 pages two: 4 slots cannot all grow,
+  # so the latest started sequences give their pages back and resume later from their tokens (with 10 pages, while
+  # other slots decode).
+  prompt, valid, _ = _requests(10)
+  budget = jnp.full((8,), N, jnp.int32)
+  ample, _ = _continuous(tiny, prompt, valid, budget, _paged(2, temperature=temperature), 4)
+  short, stats = _continuous(tiny, prompt, valid, budget, _paged(2, pages=pages, temperature=temperature), 4)
+  assert stats.preempted > 0 and stats.pages_peak <= pages and stats.reprefill_s > 0
+  _assert_same(short, ample, atol=1e-4)
+  with pytest.raises(ValueError, match="cannot hold one sequence"):
+    _continuous(tiny, prompt, valid, budget, _paged(2, pages=5), 4)
+
+
+def test_the_paged_pallas_kernel_gives_the_xla_tokens(tiny):
+  prompt, valid, budget = _requests(11)
+  runs = [_continuous(tiny, prompt, valid, budget, _paged(4, chunk=4, backend=backend), 3)[0]
+          for backend in ("xla", "pallas")]
+  _assert_same(runs[1], runs[0], atol=1e-4)
+
+
+def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
+  prompt, valid, budget = _requests(12)
+  sampling = _paged(4, temperature=1.0)
+  requests = continuous.new_requests(8, group_size=2, max_new_tokens=N, pad_id=PAD, budget_B=budget)
+  expected, _ = _continuous(tiny, prompt, valid, budget, sampling, 3)
+  args = (*tiny, prompt[::2], valid[::2])
+  first = continuous.decode(*args, requests, np.zeros(8), range(8), jax.random.key(0), eos_id=EOS, sampling=sampling,
+                            slots=3, stop=lambda ended, steps: steps >= 4)
+  held = first.held_R
+  assert 0 < (held > 0).sum() and not first.ended_R.all()
+  out = first.outputs
+  carried = requests._replace(tokens_RxN=out.tokens_RxN, logprobs_RxN=out.logprobs_RxN,
+                              lengths_R=jnp.asarray(held, jnp.int32))
+  rest = [i for i in range(8) if not first.ended_R[i]]
+  second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=sampling, slots=3)
+  merged = continuous.Outputs(*(jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b)
+                                for a, b in zip(out, second.outputs)))
+  _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
+
+
+def test_a_paged_cache_refuses_what_it_cannot_do(tiny):
+  with pytest.raises(ValueError, match="engine='continuous'"):
+    SamplingParams(page_size=4)
+  with pytest.raises(ValueError, match=">= 0"):
+    SamplingParams(engine="continuous", page_size=4, pages=-1)
+  prompt, valid, budget = _requests(13, prompts=8)
+  mesh = sharding.make_mesh(8, 1, 1)
+  with pytest.raises(ValueError, match="one device"):
+    generate_continuous(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
+                        sampling=_paged(4), group_size=2, slots=8, budget_B=budget,
+                        row_sharding=lambda ndim: sharding.batch_sharding(mesh, ndim))

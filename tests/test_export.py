@@ -119,10 +119,10 @@ def test_the_continuous_engine_lowers(model, platform, backend):
   text = _lowers(chunk, (params, state, outputs, prefix, requests, _sds((s,), jnp.int32), key), platform)
   assert (TRITON in text) == (backend == "pallas")
 
-  def resume(params, state, prefix, requests, resume_S):
-    return continuous._resume(graphdef, params, state, prefix, requests, resume_S)
+  def resume(params, state, outputs, prefix, requests, resume_S):
+    return continuous._resume(graphdef, params, state, outputs, prefix, requests, resume_S, fed=N - 1)
 
-  _lowers(resume, (params, state, prefix, requests, _sds((s,), jnp.int32)), platform)
+  _lowers(resume, (params, state, outputs, prefix, requests, _sds((s,), jnp.int32)), platform)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

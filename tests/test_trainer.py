@@ -300,10 +300,9 @@ def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, over
   assert steps == 4 and all(r["reward_std"] > 0 for r in rows)
   # Per sampling round: prompts up, tokens down; per step: rewards up, metrics down; evaluation at 0 and at the end.
   expected = dict(prompts=rounds, tokens=rounds, rewards=steps, metrics=steps, eval=2, checkpoint=1)
-  if "sampling.engine" in overrides:  # one small upload and download per chunk; re-prefills of carried sequences
+  if "sampling.engine" in overrides:  # one small upload (admissions, re-prefills) and download per chunk
     chunks = sum(r["rollout_chunks"] for r in rows)
     expected.update(admit=chunks, slots=chunks)
     if "rollout.partial" in overrides:
-      expected["resume"] = sum(r["carried_over"] > 0 for r in rows[:-1])
-      assert expected["resume"] > 0
+      assert sum(r["carried_over"] > 0 for r in rows[:-1]) > 0
   assert counts == expected

@@ -4,6 +4,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl_batch.kernels.decode_attention import decode_attention
 from jaxrl_batch.model.config import ModelConfig
 
 
@@ -14,8 +15,9 @@ class KVCache(NamedTuple):
   `jaxrl_batch.model.masks`). Each (sequence, kv head) owns one contiguous block of each, laid out as the
   attention products read them: scores = q (G x H) @ keys (H x S), out = probs (G x S) @ values (S x H), both with
   the contraction over a row-major operand's rows, which XLA's CPU backend runs as one vectorised pass over the
-  cache (contracting H along the rows of an S x H block ran 2.7-4x slower, measured at B = 64 on two CPUs). A decode step reads its
-  layer's arrays as they are: a stacked (L, ...) array would have XLA copy the layer out on every layer and step.
+  cache (contracting H along the rows of an S x H block ran 2.7-4x slower, measured at B = 64 on two CPUs). A
+  decode step reads its layer's arrays as they are: a stacked (L, ...) array would have XLA copy the layer out on
+  every layer and step.
   """
 
   k_layers: tuple[jax.Array, ...]  # L x (B, K, H, S)
@@ -37,6 +39,20 @@ class KVCache(NamedTuple):
   def length(self) -> int:
     """S, the slots per sequence."""
     return self.v_layers[0].shape[2]
+
+  @property
+  def idle_slot(self) -> int:
+    """A slot an idle row may write to harmlessly (its own first)."""
+    return 0
+
+  def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
+    """One layer's keys (B, K, H, S) and values (B, K, S, H)."""
+    return self.k_layers[layer], self.v_layers[layer]
+
+  def decode_attention(self, layer: int, q_BxNxH, starts_B, ends_B, *, backend: str):
+    """One-token attention of each row over its slots [starts_B, ends_B), read in place by `backend`
+    (`kernels.decode_attention`). Returns out_BxNxH."""
+    return decode_attention(q_BxNxH, self.k_layers[layer], self.v_layers[layer], ends_B, starts_B, backend=backend)
 
   def resized(self, length: int) -> "KVCache":
     """The cache zero-padded to `length` >= S slots."""

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_batch.kernels import decode_attention
 from jaxrl_batch.model.linear import linear
 from jaxrl_batch.model.rope import apply_rope
 
@@ -76,13 +75,15 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None,
                decode_backend: str | None = None):
-    """Without a cache S == T. With a `KVCache`, the T new keys/values are written in place into layer `layer` at
-    slots cache_index..cache_index+T-1 (for T == 1 `cache_index` may be an int (B,), each row's slot) and the
-    queries attend over its S slots.
+    """Without a cache S == T. With a cache (a `KVCache`, or a `PagedKVCache` whose rows see S = M x C slots
+    through their page table), the T new keys/values are written in place into layer `layer` at slots
+    cache_index..cache_index+T-1 (for T == 1 `cache_index` may be an int (B,), each row's slot) and the queries
+    attend over its S slots.
 
     `decode_backend` None: `mask_BxTxS` is a dense bool mask, read by `attend`. "xla" or "pallas" (static): a
-    cached one-token step (T == 1) whose `mask_BxTxS` is a `masks.DecodeSpan`, read by that backend of
-    `kernels.decode_attention` over the layer's cache in place. Returns (y_BxTxD, cache).
+    cached one-token step (T == 1) whose `mask_BxTxS` is a `masks.DecodeSpan`, read by that backend of the cache's
+    `decode_attention` (`kernels.decode_attention` or `kernels.paged_attention`) in place. Returns (y_BxTxD,
+    cache).
     """
     if decode_backend is not None and (cache is None or x_BxTxD.shape[1] != 1):
       raise ValueError(f"decode_backend={decode_backend!r} is for a cached one-token step, got T = "
@@ -97,14 +98,13 @@ class Attention(nnx.Module):
     k = apply_rope(k, positions_BxT, self.cfg.rope_theta, self.cfg.rope_scaling)
     if cache is not None:
       cache = cache.write(layer, cache_index, k, v)
-      k_BxKxHxS, v_BxKxSxH = cache.k_layers[layer], cache.v_layers[layer]
+    if decode_backend is not None:
+      out_BxTxNxH = cache.decode_attention(layer, q[:, 0], mask_BxTxS.starts_B, mask_BxTxS.ends_B,
+                                           backend=decode_backend)[:, None]
     else:
-      k_BxKxHxS, v_BxKxSxH = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)
-    if decode_backend is None:
+      k_BxKxHxS, v_BxKxSxH = (cache.layer(layer) if cache is not None else
+                              (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)))
       out_BxTxNxH = attend(q, k_BxKxHxS.astype(dt), v_BxKxSxH.astype(dt), mask_BxTxS)
-    else:
-      out_BxTxNxH = decode_attention(q[:, 0], k_BxKxHxS, v_BxKxSxH, mask_BxTxS.ends_B, mask_BxTxS.starts_B,
-                                     backend=decode_backend)[:, None]
     return linear(out_BxTxNxH, self.wo[...].astype(dt), contract=2), cache
 
 

@@ -32,16 +32,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_batch.model import DecodeSpan, KVCache, cache_mask, positions_from_valid
+from jaxrl_batch.model import DecodeSpan, KVCache, PagedKVCache, cache_mask, positions_from_valid
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.sampling.generate import Rollout, cache_buckets
+from jaxrl_batch.sampling.pages import PageTable
 from jaxrl_batch.sampling.strategies import SamplingParams, choose
 
 
 class _Prefix(NamedTuple):
-  """The Q distinct prompts, prefilled: cache (Q rows of P slots), logits_QxV float32 of each prompt's last
-  position, length_Q its real tokens, and the prompts themselves (prompt_QxP, valid_QxP) for re-prefills."""
-  cache: KVCache
+  """The Q distinct prompts, prefilled: cache (Q rows of P slots; None once copied into a paged cache's prompt
+  pages), logits_QxV float32 of each prompt's last position, length_Q its real tokens, and the prompts themselves
+  (prompt_QxP, valid_QxP) for re-prefills."""
+  cache: KVCache | None
   logits_QxV: jax.Array
   length_Q: jax.Array
   prompt_QxP: jax.Array
@@ -63,7 +65,7 @@ class Requests(NamedTuple):
 
 class _Slots(NamedTuple):
   """S sequences in flight. A free slot holds request R (out of range: its writes to the outputs are dropped)."""
-  cache: KVCache
+  cache: KVCache | PagedKVCache
   request_S: jax.Array  # int32 request decoding in the slot
   token_S: jax.Array  # int32 last token chosen, fed by the next step
   count_S: jax.Array  # int32 tokens chosen so far; the last is fed at cache slot P + count - 1
@@ -85,17 +87,23 @@ class Outputs(NamedTuple):
 class EngineStats:
   """Host figures of one rollout: `chunks` run (host syncs: one upload and one download each), `slot_steps`
   (slots x decode steps run, live or not), `decoded` (tokens chosen by decode steps: every token but each
-  request's first, which comes from the prefill) and `reprefill_s`, the seconds spent re-prefilling carried-over
-  sequences (0 without them)."""
+  request's first, which comes from the prefill), `reprefill_s`, the seconds spent re-prefilling carried-over or
+  preempted sequences (0 without them), and with a paged cache `preempted` (sequences evicted when the pool ran
+  short, re-prefilled later) and `pages_peak` (the most growable pages held at once)."""
   chunks: int
   slot_steps: int
   decoded: int
   reprefill_s: float = 0.0
+  preempted: int = 0
+  pages_peak: int = 0
 
   @property
   def useful_token_frac(self) -> float:
     """Decoded tokens per slot-step: 1.0 when no slot ever idles."""
     return self.decoded / max(self.slot_steps, 1)
+
+
+EVICT = -2  # admit_S of a slot whose sequence is preempted
 
 
 def _row_keys(key, uid_S, index_S):
@@ -114,14 +122,38 @@ def _prefill(graphdef, params, prompt_QxP, valid_QxP) -> _Prefix:
                  prompt_QxP, valid_QxP)
 
 
-def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int) -> tuple[_Slots, Outputs]:
-  """Free slots with a cache of `length` slots (the prefill's layers, kv heads, head width and dtype), and fresh
+def _pool(prefix_cache: KVCache, pages: int, page_size: int, slots: int) -> PagedKVCache:
+  """A paged cache: the Q prompts' pages (the prefill's P slots cut into W = P / C pages each), `pages` zero pages
+  and the trash page; every slot's table row is the trash page until the chunks name its pages."""
+  c = page_size
+
+  def paged(x, slot_axis: int):  # (Q, K, H, P) or (Q, K, P, H) -> (Q x W + pages + 1, K, H, C) or (..., K, C, H)
+    shape = list(x.shape)
+    q, w = shape[0], shape[slot_axis] // c
+    split = shape[:slot_axis] + [w, c] + shape[slot_axis + 1:]
+    order = (0, slot_axis, *[a for a in range(1, len(split)) if a != slot_axis])
+    prompt = jnp.transpose(x.reshape(split), order).reshape(q * w, *[d for a, d in enumerate(split) if a not in
+                                                                     (0, slot_axis)])
+    return jnp.concatenate([prompt, jnp.zeros((pages + 1, *prompt.shape[1:]), x.dtype)])
+
+  k_layers = tuple(paged(k, 3) for k in prefix_cache.k_layers)
+  v_layers = tuple(paged(v, 2) for v in prefix_cache.v_layers)
+  return PagedKVCache(k_layers, v_layers, jnp.full((slots, 1), k_layers[0].shape[0] - 1, jnp.int32))
+
+
+def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int, pages: int = 0, page_size: int = 0
+           ) -> tuple[_Slots, Outputs]:
+  """Free slots with a cache of `length` slots (the prefill's layers, kv heads, head width and dtype), or with
+  page_size > 0 a paged cache of `pages` growable pages (`_pool`; P must be a multiple of page_size), and fresh
   output buffers (the chunks donate them) holding the requests' tokens so far."""
   s, r = slots, requests.budget_R.shape[0]
   zeros_S = jnp.zeros((s,), jnp.int32)
   like = prefix.cache
-  cache = KVCache(tuple(jnp.zeros((s, *k.shape[1:3], length), k.dtype) for k in like.k_layers),
-                  tuple(jnp.zeros((s, v.shape[1], length, v.shape[3]), v.dtype) for v in like.v_layers))
+  if page_size:
+    cache = _pool(like, pages, page_size, s)
+  else:
+    cache = KVCache(tuple(jnp.zeros((s, *k.shape[1:3], length), k.dtype) for k in like.k_layers),
+                    tuple(jnp.zeros((s, v.shape[1], length, v.shape[3]), v.dtype) for v in like.v_layers))
   state = _Slots(cache, jnp.full((s,), r, jnp.int32), zeros_S, zeros_S, zeros_S, zeros_S, jnp.zeros((s,), bool))
   outputs = Outputs(jnp.copy(requests.tokens_RxN), jnp.copy(requests.logprobs_RxN), jnp.copy(requests.lengths_R),
                     jnp.zeros_like(requests.lengths_R, bool))
@@ -129,11 +161,11 @@ def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int) -> t
 
 
 @functools.lru_cache(maxsize=None)
-def _starter(slots: int, length: int, layers: int, row_sharding):
+def _starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0, page_size: int = 0):
   """`_start` jitted for a model of `layers` layers, its outputs' leading axes laid out by `row_sharding` (if
-  given)."""
-  start = functools.partial(_start, slots=slots, length=length)
-  if row_sharding is None:
+  given; a paged cache lives on one device and takes none)."""
+  start = functools.partial(_start, slots=slots, length=length, pages=pages, page_size=page_size)
+  if row_sharding is None or page_size:
     return jax.jit(start)
   cache = KVCache(*(tuple(row_sharding(4) for _ in range(layers)),) * 2)
   state = _Slots(cache, *(row_sharding(1),) * 6)
@@ -177,8 +209,11 @@ def _resized(cache: KVCache, length: int) -> KVCache:
   return KVCache(tuple(k[..., :length] for k in cache.k_layers), tuple(v[:, :, :length] for v in cache.v_layers))
 
 
-def _with_prefix(cache: KVCache, prefix: _Prefix, rows_S, prompt_S) -> KVCache:
-  """Slot rows `rows_S` (out of range: untouched) get the prefix of prompts `prompt_S` in slots [0, P)."""
+def _with_prefix(cache, prefix: _Prefix, rows_S, prompt_S):
+  """Slot rows `rows_S` (out of range: untouched) get the prefix of prompts `prompt_S` in slots [0, P). A paged
+  cache is returned as it is: its rows name their prompt's pages (`_table`)."""
+  if isinstance(cache, PagedKVCache):
+    return cache
   p = prefix.cache.length
   return KVCache(
       tuple(k.at[rows_S, :, :, :p].set(pk[prompt_S].astype(k.dtype), mode="drop")
@@ -187,9 +222,17 @@ def _with_prefix(cache: KVCache, prefix: _Prefix, rows_S, prompt_S) -> KVCache:
             for v, pv in zip(cache.v_layers, prefix.cache.v_layers)))
 
 
+def _table(cache: PagedKVCache, prefix: _Prefix, prompt_S, own_SxM) -> jax.Array:
+  """The page table of slots decoding prompts `prompt_S` and holding own pages `own_SxM` (`pages.PageTable`): the
+  prompt's W = P / C shared pages, then the own ones."""
+  w = prefix.valid_QxP.shape[1] // cache.page_size
+  return jnp.concatenate([prompt_S[:, None] * w + jnp.arange(w, dtype=jnp.int32)[None, :], own_SxM], axis=1)
+
+
 def _admit(state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key, *, eos_id: int,
            sampling: SamplingParams):
-  """Slots with admit_S >= 0 take that new request: its prompt's prefix and its first token."""
+  """Slots with admit_S >= 0 take that new request: its prompt's prefix and its first token; slots with admit_S ==
+  EVICT stop (preempted: their request keeps its tokens so far)."""
   s, r = admit_S.shape[0], requests.budget_R.shape[0]
   admitted_S = admit_S >= 0
   request_S = jnp.maximum(admit_S, 0)
@@ -199,6 +242,7 @@ def _admit(state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests,
                                                                     jnp.zeros((s,), jnp.int32)), sampling)
   written_S = jnp.where(admitted_S, admit_S, r)
   ended_S = (token_S == eos_id) | (requests.budget_R[request_S] <= 1)
+  p = prefix.valid_QxP.shape[1]
   outputs = Outputs(outputs.tokens_RxN.at[written_S, 0].set(token_S, mode="drop"),
                     outputs.logprobs_RxN.at[written_S, 0].set(logp_S, mode="drop"),
                     outputs.lengths_R.at[written_S].set(1, mode="drop"),
@@ -206,53 +250,70 @@ def _admit(state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests,
   length_S = prefix.length_Q[prompt_S]
   state = _Slots(cache, jnp.where(admitted_S, admit_S, state.request_S), jnp.where(admitted_S, token_S, state.token_S),
                  jnp.where(admitted_S, 1, state.count_S), jnp.where(admitted_S, length_S, state.position_S),
-                 jnp.where(admitted_S, prefix.cache.length - length_S, state.start_S),
-                 jnp.where(admitted_S, ~ended_S, state.live_S))
+                 jnp.where(admitted_S, p - length_S, state.start_S),
+                 jnp.where(admitted_S, ~ended_S, state.live_S & (admit_S != EVICT)))
   return state, outputs
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _resume(graphdef, params, state: _Slots, prefix: _Prefix, requests: Requests, resume_S) -> _Slots:
-  """Slots with resume_S >= 0 take that carried-over request, re-prefilled under `params`: its prompt's prefix,
-  then its first count - 1 tokens written at slots P.. (the last one chosen is fed by the next decode step).
-  The cache must hold P + N - 1 slots."""
+def fed_bucket(held: int, max_new_tokens: int) -> int:
+  """T, the tokens a re-prefill feeds per row for sequences holding at most `held` tokens: the power of two >=
+  held - 1 (its last token is fed by the next decode step), capped at N - 1, so a few shapes compile."""
+  return min(1 << max(held - 2, 0).bit_length(), max_new_tokens - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "fed"))
+def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, resume_S,
+            own_SxM=None, *, fed: int) -> _Slots:
+  """Slots with resume_S >= 0 take that request, which holds count tokens in `outputs` (carried over from an
+  earlier call, or preempted), re-prefilled under `params`: its prompt's prefix, then its first count - 1 tokens
+  (count - 1 <= fed) written at slots P..P + fed - 1 (the last one chosen is fed by the next decode step). The
+  other slots are untouched. The cache must hold P + fed slots: a paged one through own pages `own_SxM`."""
   model = nnx.merge(graphdef, params)
-  s, p, n = resume_S.shape[0], prefix.cache.length, requests.tokens_RxN.shape[1]
+  s, p = resume_S.shape[0], prefix.valid_QxP.shape[1]
   resumed_S = resume_S >= 0
   request_S = jnp.maximum(resume_S, 0)
-  prompt_S, count_S = requests.prompt_R[request_S], requests.lengths_R[request_S]
+  prompt_S, count_S = requests.prompt_R[request_S], outputs.lengths_R[request_S]
   length_S = prefix.length_Q[prompt_S]
   cache = _with_prefix(state.cache, prefix, jnp.where(resumed_S, jnp.arange(s), s), prompt_S)
-  fed_SxT = requests.tokens_RxN[request_S, :n - 1]
-  fed_valid_SxT = jnp.arange(n - 1)[None, :] < (count_S - 1)[:, None]
-  kv_valid_SxL = jnp.concatenate([prefix.valid_QxP[prompt_S], fed_valid_SxT], axis=1)[:, :cache.length]
-  positions_SxT = length_S[:, None] + jnp.arange(n - 1)[None, :]
-  _, written = model.hidden(fed_SxT, positions_SxT, cache_mask(kv_valid_SxL, p, n - 1), cache, p)
-  cache = jax.tree.map(lambda new, old: jnp.where(resumed_S.reshape((s,) + (1,) * (new.ndim - 1)), new, old),
-                       written, cache)
-  last_S = jnp.take_along_axis(requests.tokens_RxN[request_S], jnp.maximum(count_S - 1, 0)[:, None], axis=1)[:, 0]
-  return _Slots(cache, jnp.where(resumed_S, resume_S, state.request_S), jnp.where(resumed_S, last_S, state.token_S),
-                jnp.where(resumed_S, count_S, state.count_S),
+  if own_SxM is not None:  # the other rows' writes go to the trash page
+    cache = cache._replace(table_BxM=jnp.where(resumed_S[:, None], _table(cache, prefix, prompt_S, own_SxM),
+                                               cache.trash))
+  fed_SxT = outputs.tokens_RxN[request_S, :fed]
+  fed_valid_SxT = jnp.arange(fed)[None, :] < (count_S - 1)[:, None]
+  kv_valid_SxL = jnp.concatenate([prefix.valid_QxP[prompt_S], fed_valid_SxT,
+                                  jnp.zeros((s, cache.length - p - fed), bool)], axis=1)
+  positions_SxT = length_S[:, None] + jnp.arange(fed)[None, :]
+  _, written = model.hidden(fed_SxT, positions_SxT, cache_mask(kv_valid_SxL, p, fed), cache, p)
+  if own_SxM is None:
+    written = jax.tree.map(lambda new, old: jnp.where(resumed_S.reshape((s,) + (1,) * (new.ndim - 1)), new, old),
+                           written, cache)
+  last_S = jnp.take_along_axis(outputs.tokens_RxN[request_S], jnp.maximum(count_S - 1, 0)[:, None], axis=1)[:, 0]
+  return _Slots(written, jnp.where(resumed_S, resume_S, state.request_S),
+                jnp.where(resumed_S, last_S, state.token_S), jnp.where(resumed_S, count_S, state.count_S),
                 jnp.where(resumed_S, length_S + count_S - 1, state.position_S),
                 jnp.where(resumed_S, p - length_S, state.start_S), state.live_S | resumed_S)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "eos_id", "sampling"), donate_argnums=(2, 3))
-def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key, *,
-           steps: int, eos_id: int, sampling: SamplingParams):
-  """Admits `admit_S`, then runs up to `steps` decode steps of the live slots. Returns (state, outputs, steps run,
-  tokens decoded), the last two int32 scalars."""
+def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key,
+           own_SxM=None, *, steps: int, eos_id: int, sampling: SamplingParams):
+  """Admits `admit_S` (a paged cache's slots then hold own pages `own_SxM`), then runs up to `steps` decode steps
+  of the live slots. Returns (state, outputs, steps run, tokens decoded), the last two int32 scalars."""
   model = nnx.merge(graphdef, params)
   state, outputs = jax.lax.cond(
-      jnp.any(admit_S >= 0), functools.partial(_admit, eos_id=eos_id, sampling=sampling),
+      jnp.any(admit_S != -1), functools.partial(_admit, eos_id=eos_id, sampling=sampling),
       lambda state, outputs, *_: (state, outputs), state, outputs, prefix, requests, admit_S, key)
-  p, r = prefix.cache.length, requests.budget_R.shape[0]
+  p, r = prefix.valid_QxP.shape[1], requests.budget_R.shape[0]
+  if own_SxM is not None:
+    table_SxM = _table(state.cache, prefix, requests.prompt_R[jnp.minimum(state.request_S, r - 1)], own_SxM)
+    state = state._replace(cache=state.cache._replace(table_BxM=table_SxM))
 
   def step(carry):
     i, decoded, c, out = carry
-    slot_S = jnp.where(c.live_S, p + c.count_S - 1, 0)  # a finished or free slot writes harmlessly at slot 0
-    logits_Sx1xV, cache = model(c.token_S[:, None], c.position_S[:, None], DecodeSpan(c.start_S, slot_S + 1),
-                                c.cache, slot_S, decode_backend=sampling.backend)
+    slot_S = jnp.where(c.live_S, p + c.count_S - 1, c.cache.idle_slot)  # a finished or free slot writes harmlessly
+    span = DecodeSpan(c.start_S, jnp.where(c.live_S, slot_S + 1, 0))  # and reads nothing
+    logits_Sx1xV, cache = model(c.token_S[:, None], c.position_S[:, None], span, c.cache, slot_S,
+                                decode_backend=sampling.backend)
     request_S = jnp.minimum(c.request_S, r - 1)
     token_S, logp_S = choose(logits_Sx1xV[:, 0], _row_keys(key, requests.uid_R[request_S], c.count_S), sampling)
     written_S = jnp.where(c.live_S, c.request_S, r)
@@ -291,60 +352,128 @@ class Decoded:
   stats: EngineStats
 
 
+@functools.partial(jax.jit, static_argnames=("pad",))
+def _left_padded(prompt_QxP, valid_QxP, *, pad: int):
+  """The prompts with `pad` more padding slots on the left (masked: the same prompts)."""
+  return (jnp.pad(prompt_QxP, ((0, 0), (pad, 0))), jnp.pad(valid_QxP.astype(bool), ((0, 0), (pad, 0))))
+
+
+def _width(needed: int, full: int, backend: str) -> int:
+  """Own pages per table row: xla reads every page a row names, so the power of two >= `needed` (capped at
+  `full`); pallas reads only the span, so `full`."""
+  return full if backend == "pallas" else min(1 << max(needed - 1, 0).bit_length(), full)
+
+
 def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, held_R, order, rng, *, eos_id: int,
            sampling: SamplingParams, slots: int, stop=None, row_sharding=None) -> Decoded:
   """Decodes `requests` (device) on `slots` slots, admitting them in `order` (host request indices). Requests
-  with held_R > 0 (host int (R,), the lengths of `requests`) hold a partial sequence: they go first, at most
-  `slots` of them, re-prefilled at once under `params`; the new ones take slots as slots free. Runs until every
-  request in `order` ends, or until `stop(ended_R, decode_steps)` (a host predicate on the bool (R,) ended requests
-  and the decode steps run so far, asked after each chunk) is true; requests then in flight keep their tokens so far.
-  See the module docstring."""
+  with held_R > 0 (host int (R,), the lengths of `requests`) hold a partial sequence: they queue first and are
+  re-prefilled under `params` as they take slots; the new ones take slots as slots free. Runs until every request
+  in `order` ends, or until `stop(ended_R, decode_steps)` (a host predicate on the bool (R,) ended requests and
+  the decode steps run so far, asked after each chunk) is true; requests then started keep their tokens so far.
+
+  With sampling.page_size = C > 0 the cache is paged (`model.PagedKVCache`, one device): the prompts are
+  left-padded to a multiple of C and prefilled into shared prompt pages, and each slot takes pages of a pool of
+  sampling.pages (0 = enough for every slot at the longest length) a chunk ahead. When the pool runs short, the
+  most recently started sequences are preempted (their pages freed, their tokens kept) and queue first again, to
+  be re-prefilled as pages free. See the module docstring."""
   r, n = requests.tokens_RxN.shape
-  p, s = prompt_QxP.shape[1], slots
-  held_R = np.asarray(held_R, np.int64)
-  carried = [i for i in order if held_R[i] > 0]
-  if len(carried) > s:
-    raise ValueError(f"{len(carried)} carried-over sequences do not fit {s} slots.")
-  buckets = cache_buckets(p, n, sampling.backend)
+  s, c = slots, sampling.page_size
+  held_R = np.array(held_R, np.int64)
+  if c:
+    if row_sharding is not None and len(row_sharding(1).device_set) > 1:
+      raise ValueError("sampling.page_size > 0 (a paged KV cache) runs on one device per rollout for now: shard "
+                       "the rollout over one device (sampling.page_size = 0 keeps the slot cache, which shards).")
+    prompt_QxP, prompt_valid_QxP = _left_padded(prompt_QxP, prompt_valid_QxP, pad=-prompt_QxP.shape[1] % c)
+  p = prompt_QxP.shape[1]
   prefix = _prefill(graphdef, params, prompt_QxP, prompt_valid_QxP)
-  start = _starter(s, buckets[-1] if carried else buckets[0], len(prefix.cache.k_layers), row_sharding)
-  state, outputs = start(prefix, requests)
+  layers = len(prefix.cache.k_layers)
+  if c:
+    own_full = -(-(n - 1) // c)  # own pages of a sequence at the longest length
+    pool = sampling.pages or s * own_full
+    if pool < own_full:
+      raise ValueError(f"sampling.pages={pool} cannot hold one sequence: {n - 1} tokens take {own_full} pages of "
+                       f"{c} slots. Raise sampling.pages to at least {own_full}.")
+    pages = PageTable(slots=s, first=prompt_QxP.shape[0] * (p // c), pages=pool, page_size=c)
+    state, outputs = _starter(s, 0, layers, None, pool, c)(prefix, requests)
+    prefix = prefix._replace(cache=None)
+  else:
+    buckets = cache_buckets(p, n, sampling.backend)
+    state, outputs = _starter(s, buckets[0], layers, row_sharding)(prefix, requests)
+  queue = collections.deque(sorted(order, key=lambda i: held_R[i] == 0))  # the carried first, in order
   request_S, count_S, live_S = np.full(s, -1, np.int64), np.zeros(s, np.int64), np.zeros(s, bool)
+  started_S = np.zeros(s, np.int64)  # when each slot's sequence started (preemption takes the latest)
   ended_R = np.zeros(r, bool)
+  chunks = slot_steps = decoded = started = preempted = pages_peak = 0
   reprefill_s = 0.0
-  if carried:
-    k = len(carried)
-    request_S[:k], count_S[:k], live_S[:k] = carried, held_R[carried], True
-    resume_S = np.where(live_S, request_S, -1).astype(np.int32)
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(_resume(graphdef, params, state, prefix, requests,
-                                          transfer.to_device("resume", resume_S, state.live_S.sharding)))
-    reprefill_s = time.perf_counter() - t0
-  queue = collections.deque(i for i in order if held_R[i] == 0)
-  chunks = slot_steps = decoded = 0
+
+  def fed_after_chunk(count):  # tokens a sequence holding `count` may have fed by the end of the chunk
+    return min(count + sampling.chunk - 1, n - 1)
+
   while queue or live_S.any():
-    admit_S = np.full(s, -1, np.int32)
-    for slot in np.flatnonzero(~live_S)[:len(queue)]:
-      admit_S[slot] = request_S[slot] = queue.popleft()
-      count_S[slot] = 1
-    occupied_S = live_S | (admit_S >= 0)
-    size = next(size for size in buckets
-                if size >= min(p + int(count_S[occupied_S].max()) + sampling.chunk - 1, buckets[-1]))
-    if size != state.cache.length:
-      state = state._replace(cache=_resized(state.cache, size))
-    admit_S = transfer.to_device("admit", admit_S, state.live_S.sharding)
+    admit_S, resume_S = np.full(s, -1, np.int32), np.full(s, -1, np.int32)
+    if c:  # the live sequences' pages for this chunk; the latest started ones give theirs back while short
+      live = list(np.flatnonzero(live_S))
+      while sum(pages.extra_for(x, fed_after_chunk(count_S[x])) for x in live) > pages.free:
+        victim = max(live, key=lambda x: started_S[x])
+        live.remove(victim)
+        pages.release(victim)
+        queue.appendleft(request_S[victim])
+        held_R[request_S[victim]], admit_S[victim] = count_S[victim], EVICT
+        live_S[victim], request_S[victim], preempted = False, -1, preempted + 1
+      for x in live:
+        pages.grow(x, fed_after_chunk(count_S[x]))
+    for slot in np.flatnonzero(~live_S):
+      if not queue:
+        break
+      held = max(int(held_R[queue[0]]), 1)
+      if c:
+        if pages.extra_for(slot, fed_after_chunk(held)) > pages.free:
+          break
+        pages.grow(slot, fed_after_chunk(held))
+      request_S[slot] = queue.popleft()
+      (resume_S if held_R[request_S[slot]] > 0 else admit_S)[slot] = request_S[slot]
+      count_S[slot], live_S[slot], started_S[slot], started = held, True, started, started + 1
+    occupied_S = live_S.copy()
+    resuming = resume_S >= 0
+    fed = fed_bucket(int(count_S[resuming].max()), n) if resuming.any() else 0
+    if c:
+      pages_peak = max(pages_peak, pages.held)
+      width = _width(max(pages.widest, -(-fed // c)), own_full, sampling.backend)
+      own_SxM = pages.rows(width)
+    else:
+      own_SxM = None
+      size = next(size for size in buckets
+                  if size >= min(max(p + int(count_S[occupied_S].max()) + sampling.chunk - 1, p + fed),
+                                 buckets[-1]))
+      if size != state.cache.length:
+        state = state._replace(cache=_resized(state.cache, size))
+    admit_S, resume_S, own_SxM = transfer.to_device("admit", (admit_S, resume_S, own_SxM), state.live_S.sharding)
+    if resuming.any():
+      t0 = time.perf_counter()
+      state = jax.block_until_ready(_resume(graphdef, params, state, outputs, prefix, requests, resume_S, own_SxM,
+                                            fed=fed))
+      reprefill_s += time.perf_counter() - t0
     state, outputs, steps, tokens = _chunk(graphdef, params, state, outputs, prefix, requests, admit_S, rng,
-                                           steps=sampling.chunk, eos_id=eos_id, sampling=sampling)
+                                           own_SxM, steps=sampling.chunk, eos_id=eos_id, sampling=sampling)
     live_S, steps, tokens = transfer.to_host("slots", (state.live_S, steps, tokens))
-    ended_R[request_S[occupied_S & ~live_S]] = True
+    live_S = np.array(live_S)
+    for slot in np.flatnonzero(occupied_S & ~live_S):
+      ended_R[request_S[slot]] = True
+      request_S[slot] = -1
+      if c:
+        pages.release(slot)
     count_S += int(steps) * live_S
     chunks, slot_steps, decoded = chunks + 1, slot_steps + s * int(steps), decoded + int(tokens)
     if stop is not None and stop(ended_R, slot_steps // s):
       break
   held = np.zeros(r, np.int64)
   held[request_S[live_S]] = count_S[live_S]
+  for i in queue:  # carried or preempted, not resumed yet: they keep their tokens
+    held[i] = held_R[i]
   return Decoded(outputs, ended_R, held, EngineStats(chunks=chunks, slot_steps=slot_steps, decoded=decoded,
-                                                     reprefill_s=reprefill_s))
+                                                     reprefill_s=reprefill_s, preempted=preempted,
+                                                     pages_peak=pages_peak))
 
 
 def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,

@@ -79,5 +79,5 @@ def run(graphdef, params, prompt_RxP, valid_RxP, budget_R: np.ndarray, rng, *, s
       steps, seconds, reprefill_s = steps + 1, seconds + elapsed, reprefill_s + out.stats.reprefill_s
       decoded, slot_steps = decoded + out.stats.decoded, slot_steps + out.stats.slot_steps
       ended, carried_total = ended + int(out.ended_R.sum()), carried_total + carried_in
-  return SteadyState(steps=steps, seconds=seconds, reprefill_s=reprefill_s, decoded=decoded, slot_steps=slot_steps, ended=ended,
-                     carried_mean=carried_total / max(steps, 1))
+  return SteadyState(steps=steps, seconds=seconds, reprefill_s=reprefill_s, decoded=decoded, slot_steps=slot_steps,
+                     ended=ended, carried_mean=carried_total / max(steps, 1))

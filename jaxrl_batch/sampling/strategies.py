@@ -31,6 +31,12 @@ class SamplingParams:
       taking the next request (`continuous.generate_continuous`).
     slots: sequences decoding at once per device under the continuous engine (0 = every request of the batch).
     chunk: decode steps of the continuous engine between two host syncs (one small transfer each way).
+    page_size: > 0 pages the continuous engine's KV cache (`model.PagedKVCache`) in pages of this many slots:
+      sequences hold pages as they grow and a prompt's samples share its pages, so more slots fit the memory of
+      the slot cache (0 = a slot cache of the longest length per slot). One device per rollout.
+    pages: the paged cache's pool, in pages per device (0 = enough for every slot at the longest length: never
+      short). A smaller pool holds what the sequences use; when it runs short the latest started sequences are
+      preempted and re-prefilled later (`EngineStats.preempted`).
   """
 
   temperature: float = 1.0
@@ -40,6 +46,8 @@ class SamplingParams:
   engine: str = "static"
   slots: int = 0
   chunk: int = 16
+  page_size: int = 0
+  pages: int = 0
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -57,6 +65,12 @@ class SamplingParams:
       raise ValueError(f"sampling.slots must be >= 0 (0 = every request at once), got {self.slots}.")
     if self.chunk < 1:
       raise ValueError(f"sampling.chunk must be >= 1 decode step, got {self.chunk}.")
+    if self.page_size < 0 or self.pages < 0:
+      raise ValueError(f"sampling.page_size ({self.page_size}) and sampling.pages ({self.pages}) must be >= 0 "
+                       "(0 = the slot cache; 0 pages = enough for every slot).")
+    if self.page_size and self.engine != "continuous":
+      raise ValueError(f"sampling.page_size={self.page_size} pages the continuous engine's cache: set "
+                       "sampling.engine='continuous' (or sampling.page_size=0).")
 
   @property
   def greedy(self) -> bool:
