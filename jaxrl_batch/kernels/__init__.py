@@ -1,18 +1,18 @@
 """Decode attention, over a dense or a paged KV cache: plain-jnp references that define the semantics, XLA
 implementations and Pallas kernels."""
 from jaxrl_batch.kernels.decode_attention import (
-                                                  BACKENDS,
-                                                  decode_attention,
-                                                  decode_attention_pallas,
-                                                  decode_attention_reference,
-                                                  decode_attention_xla,
-                                                  default_backend,
+  BACKENDS,
+  decode_attention,
+  decode_attention_pallas,
+  decode_attention_reference,
+  decode_attention_xla,
+  default_backend,
 )
 from jaxrl_batch.kernels.paged_attention import (
-                                                  paged_decode_attention,
-                                                  paged_decode_attention_pallas,
-                                                  paged_decode_attention_reference,
-                                                  paged_decode_attention_xla,
+  paged_decode_attention,
+  paged_decode_attention_pallas,
+  paged_decode_attention_reference,
+  paged_decode_attention_xla,
 )
 
 __all__ = ["BACKENDS", "decode_attention", "decode_attention_pallas", "decode_attention_reference",
