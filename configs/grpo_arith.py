@@ -89,6 +89,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       engine="static",  # static (one block, run to its longest response) | continuous (slots refilled as rows end).
       slots=0,  # Sequences decoding at once per device (0 = the whole batch); static decodes blocks of this many.
       chunk=16,  # Continuous engine: decode steps between two host syncs (one small transfer each way).
+      page_size=0,  # Continuous engine: > 0 pages the KV cache (sequences hold pages as they grow; one device).
+      pages=0,  # Paged cache: growable pages (0 = every slot at the longest length; fewer preempt and re-prefill).
   ))
   c.rollout = ml_collections.ConfigDict(dict(
       partial=False,  # Partial rollouts: slots never drain; unfinished sequences continue next step (continuous).

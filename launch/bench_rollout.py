@@ -8,6 +8,8 @@ concurrency and response-length distribution, against the roofline.
     --slots=64 --prompt_len=16 --out=/tmp/bench_engines.json   # 512 long-tailed requests on 64 slots
   python -m launch.bench_rollout --engine=static,continuous --length_dist=lognormal:128:1024 --rollouts=512 \
     --slots=64 --prompt_len=16 --partial_budget=128   # + partial rollouts in steady state, 128 decode steps a step
+  python -m launch.bench_rollout --engine=continuous,paged --length_dist=lognormal:128:1024 --rollouts=512 \
+    --slots=64,256 --prompt_len=16 --page_size=16 --pages=4155   # 256 slots paged in the memory of 64 slots
 
 Random weights (N(0, 0.02), unit norm scales); prompts of --prompt_len random tokens; exactly --new_tokens tokens per
 row. With --max_len above prompt_len + new_tokens the token budget is max_len - prompt_len and the model is forced to
@@ -17,7 +19,8 @@ sigma 1 whose mean before clipping to [1, MAX] is MEAN; the record gives the dra
 
 Each point decodes R requests on S slots, once per --engine (one record each): R = S = each --concurrency, or
 R = --rollouts on each of --slots; the static engine in blocks of S rows run to their longest response, the
-continuous one keeping S sequences in flight (--chunk decode steps per host sync). What is timed and how the roofline
+continuous one keeping S sequences in flight (--chunk decode steps per host sync), the paged one doing so over a
+pool of --pages pages of --page_size slots (its records' kv_cache_bytes against the others' give the memory). What is timed and how the roofline
 is computed: `jaxrl_batch.sampling.benchmark` and `jaxrl_batch.sampling.roofline`. --compare_hf runs transformers'
 `generate` (torch, imported only then) on the same weights (`jaxrl_batch.hf.side_by_side`).
 
@@ -43,6 +46,8 @@ flags.DEFINE_integer("rollouts", 0, "Requests per point, decoded on each of --sl
 flags.DEFINE_list("slots", [], "Slots of each point with --rollouts (replacing --concurrency).")
 flags.DEFINE_integer("partial_budget", 0, "> 0: also emulate partial rollouts in steady state, this many decode "
                      "steps per RL step (needs --length_dist and --rollouts).")
+flags.DEFINE_integer("page_size", 16, "The paged engine's slots per page.")
+flags.DEFINE_integer("pages", 0, "The paged engine's growable pages (0 = every slot at the longest response).")
 flags.DEFINE_integer("d_model", 768, "Model width D.")
 flags.DEFINE_integer("num_layers", 8, "Decoder blocks L.")
 flags.DEFINE_integer("num_heads", 12, "Query heads N.")

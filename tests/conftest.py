@@ -1,5 +1,22 @@
-"""Test setup: 8 fake CPU devices, so sharding tests run on one machine."""
+"""Test setup: 8 fake CPU devices, so sharding tests run on one machine.
+
+Every compiled XLA:CPU executable holds memory mappings until its cache entry goes; the whole suite in one process
+compiles enough of them to reach Linux's default vm.max_map_count (65,530), where the next compile segfaults. Each
+test module therefore ends by dropping JAX's caches (the next module recompiles what it needs).
+"""
+import gc
 import os
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  yield
+  import jax  # here, not at the top: the environment above must be set before JAX loads
+
+  jax.clear_caches()
+  gc.collect()

@@ -77,6 +77,23 @@ def test_engines_on_long_tailed_lengths(tmp_path):
   assert math.isfinite(continuous["decode_speedup_vs_static"]) and "decode_speedup_vs_static" not in static
 
 
+def test_a_paged_cache_at_more_slots_in_less_memory(tmp_path):
+  # 16 long-tailed requests: a pool of 8 pages of 4 slots holds 8 slots' sequences in less memory than the slot
+  # cache of 4 (4 x 27 slots + the 16 prompts' prefix); at 8 slots it runs short and preempts, the same tokens.
+  out = tmp_path / "bench.json"
+  s = dataclasses.replace(TINY, **dict(ENGINES, engine=("static", "continuous", "paged")),
+                          length_dist="lognormal:6:24", rollouts=16, slots=(4, 8), page_size=4, pages=8)
+  report = bench_rollout.run(s, str(out))
+  _check(report, out, (4, 4, 4, 8, 8, 8))
+  records = {(r["engine"], r["slots"]): r for r in report["results"]}
+  paged = records["paged", 8]
+  assert (paged["page_size"], paged["pages"]) == (4, 8) and paged["pages_peak"] <= 8 and paged["preempted"] > 0
+  assert paged["same_tokens_vs_static"] == 1.0 and paged["reprefill_s"] > 0
+  assert paged["kv_cache_bytes"] < records["continuous", 4]["kv_cache_bytes"] == 2 * 2 * (4 * 27 + 16 * 4) * 2 * 8 * 4
+  assert records["continuous", 8]["kv_cache_bytes"] > records["continuous", 4]["kv_cache_bytes"]
+  assert records["paged", 4]["kv_cache_bytes"] == paged["kv_cache_bytes"]
+
+
 def test_partial_rollouts_in_steady_state(tmp_path):
   # 48 long-tailed requests on 4 slots, steps of 6 decode steps: sequences are carried over and re-prefilled, and
   # the steady-state steps keep more of the slot-steps busy than the static engine's blocks.
@@ -109,10 +126,11 @@ def test_length_distributions():
   assert clipped.max() == 60 and clipped.mean() < lognormal.mean()
 
 
-@pytest.mark.parametrize("change", [{"rollouts": 8}, {"slots": (2,)}, {"engine": ("paged",)},
+@pytest.mark.parametrize("change", [{"rollouts": 8}, {"slots": (2,)}, {"engine": ("slots",)},
                                     {"engine": ("static", "static")}, {"length_dist": "lognormal:5"},
                                     {"length_dist": "fixed:1"}, {"rollouts": 6, "slots": (4,)},
-                                    {"length_dist": "fixed:4", "compare_hf": True}, {"partial_budget": 4}])
+                                    {"length_dist": "fixed:4", "compare_hf": True}, {"partial_budget": 4},
+                                    {"engine": ("paged",), "page_size": 0}])
 def test_settings_refused(change):
   with pytest.raises(ValueError):
     next(sweep(dataclasses.replace(TINY, **change)))

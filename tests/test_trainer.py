@@ -105,6 +105,7 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkey
 
 
 PARTIAL = {"sampling.engine": "continuous", "sampling.slots": 4, "sampling.chunk": 2, "rollout.partial": True}
+PAGES = 3  # of 4 slots: the debug task's 7 decoded tokens take 2 pages, so 4 slots need 8 and some get preempted
 
 
 def test_partial_rollouts_carried_across_a_kill_resume_to_the_same_result(tmp_path, base_cache, monkeypatch):
@@ -281,7 +282,8 @@ def named_transfers_only():
     (grpo_arith, {"rl.dynamic_sampling": True, "rl.kl_coef": 0.05, "rl.kl_target": 0.01, "rl.mini_batches": 2}),
     (grpo_arith, {"sampling.engine": "continuous", "sampling.slots": 4}),
     (grpo_arith, PARTIAL),
-], ids=["grpo", "ppo", "grpo_dynamic_adaptive_kl", "grpo_continuous", "grpo_partial"])
+    (grpo_arith, {**PARTIAL, "sampling.page_size": 4, "sampling.pages": PAGES}),
+], ids=["grpo", "ppo", "grpo_dynamic_adaptive_kl", "grpo_continuous", "grpo_partial", "grpo_partial_paged_short"])
 def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, overrides):
   config = debug_config(base_cache, module, sample_budget=128, eval_every_samples=0, checkpoint_every_samples=0,
                         **overrides)
@@ -305,4 +307,6 @@ def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, over
     expected.update(admit=chunks, slots=chunks)
     if "rollout.partial" in overrides:
       assert sum(r["carried_over"] > 0 for r in rows[:-1]) > 0
+    if "sampling.pages" in overrides:
+      assert sum(r["preempted"] for r in rows) > 0
   assert counts == expected

@@ -13,7 +13,11 @@ Prompts of `prompt_len` random tokens. Response lengths, exactly, by one of two 
 A measurement ("point") decodes R requests on S slots, once per engine of `engine` (one record each): R = S = each of
 `concurrency` (all rows in one block, as `generate` alone), or with `rollouts`, R = rollouts on each S of `slots`.
 static: `generate` over blocks of S rows, each run until its longest response ends; continuous: S sequences in
-flight, a finished one's slot taking the next request, in chunks of `chunk` decode steps per host sync.
+flight, a finished one's slot taking the next request, in chunks of `chunk` decode steps per host sync; paged: the
+continuous engine over a paged cache (`page_size` slots a page, a pool of `pages` growable pages, 0 = every slot at
+the longest response), sequences holding pages as they grow and preempted when the pool runs short. Each record's
+`kv_cache_bytes` is what its engine's cache holds while decoding (the prompts' prefix included), so a paged point at
+more slots than a slot-cache point, with the pages that fit the same bytes, measures concurrency at equal memory.
 
 Per point and engine the prefill time is that of the same call with every budget 1 (the continuous engine's includes
 its R / S admission chunks), the decode time the rest of a full run; each is the best of `repeats` timed runs after
@@ -38,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.model import KVCache, ModelConfig, PagedKVCache, Transformer
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import steady_state
 from jaxrl_batch.sampling.continuous import EngineStats
@@ -48,7 +52,7 @@ from jaxrl_batch.sampling.roofline import best_seconds, measure_machine, step_ro
 from jaxrl_batch.sampling.strategies import SamplingParams
 
 LOGNORMAL_SIGMA = 1.0  # of log-length: mean 128 puts ~0.5% of draws above 1024, the longest of 64 near 860
-MODES = ("static", "continuous")  # the engines, one record kind each (`_engine`)
+MODES = ("static", "continuous", "paged")  # the engines, one record kind each (`_engine`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,8 @@ class Settings:
   rollouts: int = 0  # requests per point, decoded on each of `slots` (0 = concurrency requests on as many slots)
   slots: tuple[int, ...] = ()  # slots of each point with rollouts (replacing concurrency)
   partial_budget: int = 0  # > 0: also emulate partial rollouts in steady state, this many decode steps per step
+  page_size: int = 16  # the paged engine's slots per page
+  pages: int = 0  # the paged engine's growable pages (0 = every slot at the longest response: no preemption)
   d_model: int = 768
   num_layers: int = 8
   num_heads: int = 12
@@ -175,7 +181,8 @@ def _engine(s: Settings, mode: str, graphdef, params, eos_id: int, prompt_BxP: n
   `slots` slots: `sampling.rollout`'s engines. A new record kind is a new mode here and in MODES."""
   prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
   valid_BxP = jnp.ones_like(prompt_BxP, bool)
-  sampling = SamplingParams(temperature=s.temperature, attention_backend=s.backend, engine=mode, chunk=s.chunk)
+  paged = dict(engine="continuous", page_size=s.page_size, pages=s.pages) if mode == "paged" else dict(engine=mode)
+  sampling = SamplingParams(temperature=s.temperature, attention_backend=s.backend, chunk=s.chunk, **paged)
 
   def run(budget_B):
     return rollout(graphdef, params, prompt_BxP, valid_BxP, jax.random.key(s.seed), max_new_tokens=s.budget,
@@ -183,6 +190,19 @@ def _engine(s: Settings, mode: str, graphdef, params, eos_id: int, prompt_BxP: n
                    budget_B=budget_B)
 
   return run
+
+
+def kv_cache_bytes(s: Settings, mode: str, requests: int, slots: int) -> int:
+  """Bytes of the KV cache `mode` holds decoding `requests` on `slots` slots: static, a block of slots rows at
+  prompt_len + budget - 1 slots; continuous, the same for the slots plus the distinct prompts' prefix; paged, the
+  distinct prompts' pages (prompt_len rounded up to page_size), the growable pages and the trash page."""
+  cfg, length, prompts = s.model_config(), s.prompt_len + s.budget - 1, requests // s.group_size
+  if mode == "paged":
+    c = s.page_size
+    own = s.pages or slots * -(-(s.budget - 1) // c)
+    return PagedKVCache.bytes_for(cfg, prompts * -(-s.prompt_len // c) + own + 1, c)
+  prefix = KVCache.bytes_for(cfg, prompts, s.prompt_len) if mode == "continuous" else 0
+  return KVCache.bytes_for(cfg, slots, length) + prefix
 
 
 def _keeping(into: dict, mode: str, run: Run, budget_R) -> Callable[[], Rollout]:
@@ -239,6 +259,8 @@ def _check(s: Settings):
     raise ValueError(f"rollouts={s.rollouts} and slots={s.slots} go together.")
   if not s.engine or set(s.engine) - set(MODES) or len(set(s.engine)) < len(s.engine):
     raise ValueError(f"engine={s.engine}: one or more of {MODES}, each once.")
+  if "paged" in s.engine and (s.page_size < 1 or s.pages < 0):
+    raise ValueError(f"page_size={s.page_size} (>= 1) and pages={s.pages} (>= 0) set the paged engine's pool.")
   if s.length_dist:
     draw_lengths(s.length_dist, 1, s.seed)
   if s.longest < 2:
@@ -264,8 +286,9 @@ def sweep(s: Settings) -> Iterator[dict]:
   and `results`, per point one record per engine: engine, length_dist (its spec; "fixed:new_tokens" without one),
   concurrency (= slots), slots, rollouts (requests), length_mean and length_max (of the responses), times in seconds
   (prefill_s, decode_s), speeds (`_speeds`), the engine's figures (chunks: host syncs, 0 for the static engine's
-  single programs; slot_steps; decoded; useful_token_frac = decoded / slot_steps, `continuous.EngineStats`), the
-  rates used, the step roofline (`roofline.step_roofline`) at live_len and roofline_fraction; on every engine's
+  single programs; slot_steps; decoded; useful_token_frac = decoded / slot_steps, `continuous.EngineStats`),
+  kv_cache_bytes (`kv_cache_bytes`), the paged engine's page_size, pages, preempted, pages_peak and reprefill_s,
+  the rates used, the step roofline (`roofline.step_roofline`) at live_len and roofline_fraction; on every engine's
   record but the static one's, when it was measured at the point, decode_speedup_vs_static and, when greedy,
   same_tokens_vs_static (the fraction of token positions equal). With compare_hf the same speeds of transformers
   prefixed hf_, decode_speedup_vs_hf, tok_s_speedup_vs_hf and, when greedy, hf_same_tokens (the fraction of the
@@ -324,7 +347,11 @@ def sweep(s: Settings) -> Iterator[dict]:
                     length_max=int(lengths_R.max()), prefill_s=prefill_s, decode_s=decode_s,
                     **_speeds(requests * s.prompt_len, lengths_R, stats.slot_steps / slots, prefill_s, decode_s),
                     chunks=stats.chunks, slot_steps=stats.slot_steps, decoded=stats.decoded,
-                    useful_token_frac=stats.useful_token_frac)
+                    useful_token_frac=stats.useful_token_frac,
+                    kv_cache_bytes=kv_cache_bytes(s, mode, requests, slots))
+      if mode == "paged":
+        record.update(page_size=s.page_size, pages=s.pages, preempted=stats.preempted, pages_peak=stats.pages_peak,
+                      reprefill_s=stats.reprefill_s)
       if hf is not None:
         hf_prefill_s, hf_decode_s = times[-2], times[-1] - times[-2]
         record.update({f"hf_{k}": v for k, v in _speeds(requests * s.prompt_len, lengths_R, s.new_tokens - 1,

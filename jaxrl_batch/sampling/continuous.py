@@ -17,6 +17,17 @@ only over each span); after it, it reads which slots are still live (one bool (S
 tail's chunks) host syncs, plus the prefill's. A chunk ends early once no slot is live. Finished slots idle until
 their chunk ends: `EngineStats.useful_token_frac` measures the cost.
 
+Paged cache (sampling.page_size = C > 0, `model.PagedKVCache`): the slot cache reserves every slot's longest
+sequence; a paged one holds the Q prompts' prefill as shared pages of C positions and a pool of `sampling.pages`
+growable pages (plus one trash page that free slots write to), so memory follows the live tokens and more slots fit
+in the same bytes. The host's `PageTable` gives each live slot the pages its chunk will fill before the chunk runs;
+its (S, M) int32 rows of own pages ride up in the admit crossing, beside the (S,) admit and resume arrays (still one
+upload per chunk; the W shared prompt pages of each row are looked up on the device). When the pool cannot cover the
+next chunk, the most recently started sequences are preempted: their pages go back to the pool, they keep their
+tokens and log-probs, and queue first, to be re-prefilled like a carried partial rollout once pages free
+(`EngineStats.preempted`). Tokens are the same as the slot cache's: the key of a token depends only on (request,
+index).
+
 Randomness: the token at index t of request r is drawn with the key fold_in(fold_in(key, uid_r), t), so a request's
 tokens do not depend on the slot count, the chunk, the requests beside it or where a partial rollout was cut
 (beyond rounding); greedy decoding gives `generate`'s tokens.

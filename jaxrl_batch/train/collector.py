@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_batch.model import KVCache
+from jaxrl_batch.model import KVCache, PagedKVCache
 from jaxrl_batch.rl.advantages import zero_std_group_frac, zero_std_groups
 from jaxrl_batch.rl.overlong import overlong_penalty
 from jaxrl_batch.runtime import memory, sharding, streams, transfer
@@ -58,23 +58,38 @@ def _select(rounds, rows_B):
 
 
 def check_rollout_memory(exp: Experiment, slots: int) -> int:
-  """Logs the KV cache the rollout needs per device, `slots` sequences (all devices) at the longest allowed length
-  (prompt_len + response_len - 1 slots) plus the prefill of the step's prompts, and refuses a configuration whose
-  cache cannot fit the first device's free memory. Returns the bytes per device."""
+  """Logs the KV cache the rollout needs per device, and refuses a configuration whose cache cannot fit the first
+  device's free memory. Slot cache: `slots` sequences (all devices) at the longest allowed length (prompt_len +
+  response_len - 1 slots) plus the prefill of the step's prompts. Paged cache (sampling.page_size = C > 0, one
+  device): the prompts' shared pages (prompt_len rounded up to C), sampling.pages growable pages (0 = every slot
+  at the longest length) and the trash page. Returns the bytes per device."""
   data = sharding.data_parallel_size(exp.mesh)
-  cfg, length = exp.model_cfg, exp.prompt_len + exp.response_len - 1
-  cache = KVCache.bytes_for(cfg, -(-slots // data), length)
-  prefill = KVCache.bytes_for(cfg, -(-exp.member.num_prompts // data), exp.prompt_len)
-  needed = cache + prefill
-  logging.info("Rollout KV cache per device: %d slots x %d positions x %d layers = %.1f MiB (+ %.1f MiB prefill).",
-               -(-slots // data), length, cfg.num_layers, cache / 2**20, prefill / 2**20)
+  cfg, length, c = exp.model_cfg, exp.prompt_len + exp.response_len - 1, exp.sampling.page_size
+  if c:
+    if data > 1:
+      raise ValueError(f"sampling.page_size={c} (a paged KV cache) runs the rollout on one device, but the mesh "
+                       f"shards the batch over {data}: set sampling.page_size=0 (the slot cache shards), or run on "
+                       "one device.")
+    prompt_pages = exp.member.num_prompts * -(-exp.prompt_len // c)
+    own = exp.sampling.pages or slots * -(-(exp.response_len - 1) // c)
+    needed = PagedKVCache.bytes_for(cfg, prompt_pages + own + 1, c)
+    shape = f"{prompt_pages} prompt pages + {own} pages for {slots} slots, of {c} positions"
+    logging.info("Rollout KV cache (paged): %s x %d layers = %.1f MiB.", shape, cfg.num_layers, needed / 2**20)
+  else:
+    cache = KVCache.bytes_for(cfg, -(-slots // data), length)
+    prefill = KVCache.bytes_for(cfg, -(-exp.member.num_prompts // data), exp.prompt_len)
+    needed = cache + prefill
+    shape = f"{-(-slots // data)} sequences x {length} positions, plus the prompts' prefill"
+    logging.info("Rollout KV cache per device: %d slots x %d positions x %d layers = %.1f MiB (+ %.1f MiB prefill).",
+                 -(-slots // data), length, cfg.num_layers, cache / 2**20, prefill / 2**20)
   free = memory.free_bytes(jax.local_devices()[0])
   if free is not None and needed > free:
+    fix = ("Lower sampling.pages or sampling.slots" if c else
+           "Lower sampling.slots (the continuous engine keeps that many sequences per device in flight)")
     raise ValueError(
-        f"The rollout's KV cache needs {needed / 2**30:.2f} GiB per device ({-(-slots // data)} sequences x "
-        f"{length} positions x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x 2, plus the "
-        f"prompts' prefill), but the device has {free / 2**30:.2f} GiB free. Lower sampling.slots (the continuous "
-        f"engine keeps that many sequences per device in flight), or shorten the response budget.")
+        f"The rollout's KV cache needs {needed / 2**30:.2f} GiB per device ({shape}, x {cfg.num_layers} layers x "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim} x 2), but the device has {free / 2**30:.2f} GiB free. "
+        f"{fix}, or shorten the response budget.")
   return needed
 
 
@@ -178,5 +193,6 @@ class Collector:
                  useful_token_frac=sum(out["engine"].decoded for out in rounds) / max(
                      sum(out["engine"].slot_steps for out in rounds), 1),
                  rollout_chunks=sum(out["engine"].chunks for out in rounds),
+                 preempted=sum(out["engine"].preempted for out in rounds),
                  trained_samples=int(trained_B.sum()))
     return rollouts, device_kl_coef, device_orders, stats

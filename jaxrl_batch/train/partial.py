@@ -223,7 +223,7 @@ class PartialCollector(Collector):
                  reward_errors=int(errors),
                  useful_token_frac=sum(c.decoded for c in calls) / max(sum(c.slot_steps for c in calls), 1),
                  rollout_chunks=sum(c.chunks for c in calls),
-                 reprefill_s=sum(c.reprefill_s for c in calls),
+                 reprefill_s=sum(c.reprefill_s for c in calls), preempted=sum(c.preempted for c in calls),
                  policy_lag_mean=float(lag_BxN.sum() / mask_BxN.sum()), policy_lag_max=int(lag_BxN.max()),
                  partial_frac=float(spans_B.mean()), carried_over=len(self.carried),
                  trained_samples=int(trained_B.sum()))
