@@ -187,6 +187,19 @@ def test_a_rollout_cache_that_cannot_fit_is_refused_with_its_size(tmp_path, base
   assert not workdir.exists()
   Trainer(debug_config(base_cache, **{"sampling.engine": "continuous", "sampling.slots": 4}), str(workdir),
           devices=ONE_DEVICE)  # 4 slots fit in 1 MiB
+  paged = {"sampling.engine": "continuous", "sampling.slots": 4096, "sampling.page_size": 4}
+  with pytest.raises(ValueError, match=r"needs \d+\.\d+ GiB per device \(\d+ prompt pages \+ 100000 pages for 4096 "
+                                       r"slots.* Lower sampling.pages or sampling.slots"):
+    Trainer(debug_config(base_cache, **paged, **{"sampling.pages": 100_000}), str(workdir), devices=ONE_DEVICE)
+  Trainer(debug_config(base_cache, **paged, **{"sampling.pages": 64}), str(workdir),
+          devices=ONE_DEVICE)  # 4096 slots on a pool of 64 pages fit in 1 MiB
+
+
+def test_a_paged_cache_on_a_sharded_batch_is_refused(tmp_path, base_cache):
+  config = debug_config(base_cache, **{"sampling.engine": "continuous", "sampling.page_size": 4})
+  config.mesh.data = -1
+  with pytest.raises(ValueError, match="paged KV cache.*shards the batch over 8: set sampling.page_size=0"):
+    Trainer(config, str(tmp_path / "run"))
 
 
 def test_batch_must_split_over_data_parallel_devices(tmp_path, base_cache):
