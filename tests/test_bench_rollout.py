@@ -107,6 +107,14 @@ def test_partial_rollouts_in_steady_state(tmp_path):
   assert math.isfinite(partial["decode_speedup_vs_static"]) and partial["decode_tok_s"] > 0
 
 
+def test_a_point_without_a_steady_state_step_is_refused(tmp_path):
+  # 16 requests on 8 slots, steps of 6 decode steps: only the first step ends with requests still queued, and it
+  # starts from empty slots with nothing carried in (not a steady state), so there is nothing to report.
+  s = dataclasses.replace(TINY, **ENGINES, length_dist="lognormal:6:24", rollouts=16, slots=(8,), partial_budget=6)
+  with pytest.raises(RuntimeError, match="no step of 16 requests on 8 slots after the first"):
+    bench_rollout.run(s, str(tmp_path / "bench.json"))
+
+
 def test_fixed_lengths_leave_no_slot_idle(tmp_path):
   out = tmp_path / "bench.json"
   report = bench_rollout.run(dataclasses.replace(TINY, **ENGINES, concurrency=(3,), length_dist="fixed:6"), str(out))

@@ -23,6 +23,8 @@ from jax.experimental.pallas import triton as pltriton
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from jaxrl_batch.kernels import online_softmax
+
 BACKENDS = ("pallas", "xla")
 # Triton's dot wants every operand dimension >= 16 and power-of-two tensor sizes, so the G query heads of a kv group
 # are zero-padded to max(16, next power of two) rows; interpret mode runs the same padded program.
@@ -84,42 +86,16 @@ def _kernel(start_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, block_s: int):
   q_RxH = q_ref[...].astype(dtype)
 
   def visit(i, carry, masked: bool):
-    """Online-softmax update with block i. `masked`: a block holding the start or the length, shifted back to
-    end at S if it would overrun; its slots before i * block_s (visited already) or the start, and from the length
-    on, get zero weight."""
-    max_R, total_R, acc_RxH = carry
+    """`online_softmax.update` with block i. `masked`: a block holding the start or the length, shifted back to end
+    at S if it would overrun; its slots before i * block_s (visited already) or the start, and from the length on,
+    get zero weight."""
     offset = jnp.minimum(i * block_s, s - block_s) if masked else i * block_s
-    k_HxC = k_ref[:, pl.ds(offset, block_s)].astype(dtype)
-    v_CxH = v_ref[pl.ds(offset, block_s), :].astype(dtype)
-    scores_RxC = lax.dot_general(q_RxH, k_HxC, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                 preferred_element_type=jnp.float32) * h**-0.5
-    if masked:
-      slot_C = offset + jnp.arange(block_s)
-      valid_C = (slot_C >= jnp.maximum(i * block_s, start)) & (slot_C < length)
-      scores_RxC = jnp.where(valid_C[None, :], scores_RxC, -jnp.inf)
-      v_CxH = jnp.where(valid_C[:, None], v_CxH, 0)
-    new_max_R = jnp.maximum(max_R, jnp.max(scores_RxC, axis=1))
-    rescale_R = jnp.exp(max_R - new_max_R)
-    weights_RxC = jnp.exp(scores_RxC - new_max_R[:, None])
-    acc_RxH = rescale_R[:, None] * acc_RxH + lax.dot_general(
-        weights_RxC.astype(dtype), v_CxH, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32)
-    return new_max_R, rescale_R * total_R + jnp.sum(weights_RxC, axis=1), acc_RxH
+    slot_C = offset + jnp.arange(block_s)
+    valid_C = ((slot_C >= jnp.maximum(i * block_s, start)) & (slot_C < length)) if masked else None
+    return online_softmax.update(carry, q_RxH, k_ref[:, pl.ds(offset, block_s)].astype(dtype),
+                                 v_ref[pl.ds(offset, block_s), :].astype(dtype), valid_C)
 
-  # Every visited block holds a valid slot, so the running max is finite after the first one.
-  carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-           jnp.zeros((rows, h), jnp.float32))
-  # Blocks [first_full, end_full) lie wholly in [start, length); the block holding the start (when it is not a
-  # block boundary) and the one holding the length (when it is not) are masked. Nothing is visited when start ==
-  # length.
-  first_full, end_full = pl.cdiv(start, block_s), length // block_s
-  end = jnp.where(start < length, pl.cdiv(length, block_s), 0)
-  masked, unmasked = functools.partial(visit, masked=True), functools.partial(visit, masked=False)
-  carry = lax.fori_loop(start // block_s, jnp.minimum(first_full, end), masked, carry)
-  carry = lax.fori_loop(first_full, end_full, unmasked, carry)
-  carry = lax.fori_loop(jnp.maximum(first_full, end_full), end, masked, carry)
-  _, total_R, acc_RxH = carry
-  o_ref[...] = (acc_RxH / jnp.where(total_R > 0, total_R, 1.0)[:, None]).astype(o_ref.dtype)
+  o_ref[...] = online_softmax.over_span(visit, start, length, block_s, rows, h).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_s", "interpret"))

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from jaxrl_batch.kernels import online_softmax
 from jaxrl_batch.kernels.decode_attention import (
   _MIN_QUERY_ROWS,
   BACKENDS,
@@ -88,41 +89,14 @@ def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, o_ref):
   q_RxH = q_ref[...].astype(dtype)
 
   def visit(i, carry, masked: bool):
-    """Online-softmax update with logical page i, read from pool page table_ref[i]. `masked`: the page holding the
-    start or the length; its slots before the start or from the length on get zero weight."""
-    max_R, total_R, acc_RxH = carry
+    """`online_softmax.update` with logical page i, read from pool page table_ref[i]. `masked`: the page holding
+    the start or the length; its slots before the start or from the length on get zero weight."""
     page = table_ref[i]
-    k_HxC = k_ref[page].astype(dtype)
-    v_CxH = v_ref[page].astype(dtype)
-    scores_RxC = lax.dot_general(q_RxH, k_HxC, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                 preferred_element_type=jnp.float32) * h**-0.5
-    if masked:
-      slot_C = i * c + jnp.arange(c)
-      valid_C = (slot_C >= start) & (slot_C < length)
-      scores_RxC = jnp.where(valid_C[None, :], scores_RxC, -jnp.inf)
-      v_CxH = jnp.where(valid_C[:, None], v_CxH, 0)
-    new_max_R = jnp.maximum(max_R, jnp.max(scores_RxC, axis=1))
-    rescale_R = jnp.exp(max_R - new_max_R)
-    weights_RxC = jnp.exp(scores_RxC - new_max_R[:, None])
-    acc_RxH = rescale_R[:, None] * acc_RxH + lax.dot_general(
-        weights_RxC.astype(dtype), v_CxH, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32)
-    return new_max_R, rescale_R * total_R + jnp.sum(weights_RxC, axis=1), acc_RxH
+    slot_C = i * c + jnp.arange(c)
+    valid_C = ((slot_C >= start) & (slot_C < length)) if masked else None
+    return online_softmax.update(carry, q_RxH, k_ref[page].astype(dtype), v_ref[page].astype(dtype), valid_C)
 
-  # Every visited page holds a valid slot, so the running max is finite after the first one.
-  carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-           jnp.zeros((rows, h), jnp.float32))
-  # Logical pages [first_full, end_full) lie wholly in [start, length); the page holding the start (when it is not a
-  # page boundary) and the one holding the length (when it is not) are masked. Nothing is visited when start ==
-  # length.
-  first_full, end_full = pl.cdiv(start, c), length // c
-  end = jnp.where(start < length, pl.cdiv(length, c), 0)
-  masked, unmasked = functools.partial(visit, masked=True), functools.partial(visit, masked=False)
-  carry = lax.fori_loop(start // c, jnp.minimum(first_full, end), masked, carry)
-  carry = lax.fori_loop(first_full, end_full, unmasked, carry)
-  carry = lax.fori_loop(jnp.maximum(first_full, end_full), end, masked, carry)
-  _, total_R, acc_RxH = carry
-  o_ref[...] = (acc_RxH / jnp.where(total_R > 0, total_R, 1.0)[:, None]).astype(o_ref.dtype)
+  o_ref[...] = online_softmax.over_span(visit, start, length, c, rows, h).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))

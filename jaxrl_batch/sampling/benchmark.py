@@ -238,7 +238,8 @@ def _partial_record(s: Settings, graphdef, params, eos_id: int, prompt_RxP: np.n
   out = run()
   if not out.steps:
     raise RuntimeError(f"partial_budget={s.partial_budget}: no step of {len(lengths_R)} requests on {slots} slots "
-                       "ended with requests still queued; use more rollouts or a smaller budget.")
+                       "after the first (which starts from empty slots) ended with requests still queued; use more "
+                       "rollouts or a smaller budget.")
   record = dict(engine="partial", length_dist=s.length_dist, concurrency=slots, slots=slots,
                 rollouts=len(lengths_R), partial_budget=s.partial_budget, length_mean=float(lengths_R.mean()),
                 length_max=int(lengths_R.max()), steady_steps=out.steps, decode_s=out.seconds,

@@ -3,9 +3,9 @@
 The R requests form a stream. Each emulated RL step decodes `partial_budget` decode steps on the slots with the
 continuous engine; sequences that ended are "trained on", the ones still in flight are carried over, re-prefilled
 at the next step (as the trainer does under new weights, here the same ones) and continued; free slots take the
-next requests of the stream. A step is in steady state while the stream still has requests at its end: its
-slots never drain. The figures are summed over those steps (the last steps, once the stream runs dry, drain like
-the static engine's tail).
+next requests of the stream. A step is in steady state when it is not the first (which starts from empty slots,
+with nothing carried in) and the stream still has requests at its end: its slots never drain. The figures are
+summed over those steps (the last steps, once the stream runs dry, drain like the static engine's tail).
 """
 import dataclasses
 import time
@@ -50,7 +50,7 @@ def run(graphdef, params, prompt_RxP, valid_RxP, budget_R: np.ndarray, rng, *, s
   fresh = slots * 2 * -(-partial_budget // max(int(budget_R.mean()), 1)) + slots
   table = slots + fresh
   next_request, carried = 0, []  # carried: (request, tokens_N, logps_N, held)
-  steps = decoded = slot_steps = ended = carried_total = 0
+  steps = decoded = slot_steps = ended = carried_total = calls = 0
   seconds = reprefill_s = 0.0
   while next_request < r or carried:
     new = list(range(next_request, min(next_request + fresh, r)))
@@ -75,7 +75,8 @@ def run(graphdef, params, prompt_RxP, valid_RxP, budget_R: np.ndarray, rng, *, s
     carried_in = len(carried)
     carried = [(rows[i], tokens_TxN[i], logps_TxN[i], int(out.held_R[i])) for i in started if not out.ended_R[i]]
     next_request = max([next_request] + [rows[i] + 1 for i in started if i >= carried_in])
-    if next_request < r:  # the stream did not run dry: a steady-state step
+    calls += 1
+    if calls > 1 and next_request < r:  # slots filled before it and the stream did not run dry: a steady state
       steps, seconds, reprefill_s = steps + 1, seconds + elapsed, reprefill_s + out.stats.reprefill_s
       decoded, slot_steps = decoded + out.stats.decoded, slot_steps + out.stats.slot_steps
       ended, carried_total = ended + int(out.ended_R.sum()), carried_total + carried_in
