@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint I/O without torch: exact round trips per family, a sharded load on 8 fake devices,
+"""Hugging Face checkpoint I/O without torch: exact round trips per family, sharded loads on 8 fake devices (an
+MoE's experts over the expert axis),
 bfloat16, config.json layouts, the errors for checkpoints we cannot load, and the `launch.convert` CLI."""
 import dataclasses
 import json
@@ -30,6 +31,8 @@ CONFIGS = {
     "llama": ModelConfig(**_BASE, tie_embeddings=False, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 32)),
     "qwen2": ModelConfig(**_BASE, tie_embeddings=True, rope_theta=1e6, qkv_bias=True),
     "qwen3": ModelConfig(**{**_BASE, "head_dim": 32}, tie_embeddings=False, qk_norm=True),
+    "qwen3_moe": ModelConfig(**{**_BASE, "num_layers": 3}, tie_embeddings=False, qk_norm=True, num_experts=8,
+                             num_experts_per_tok=2, moe_d_ff=32, norm_topk_prob=False, mlp_only_layers=(1,)),
 }
 
 
@@ -76,6 +79,22 @@ def test_sharded_load_gives_same_params_and_logits(exported):
   assert wq.addressable_shards[0].data.shape == (32, 2, 32)  # (D/fsdp, N/tensor, H): each device read its block
   _assert_same(params, params8)
   tokens = jax.random.randint(jax.random.key(0), (8, 12), 0, cfg.vocab_size)
+  valid = jnp.arange(12)[None] >= jnp.array([0, 4] * 4)[:, None]
+  logits = jax.jit(sequence_logits, static_argnums=0)
+  with jax.set_mesh(mesh):
+    logits8 = logits(graphdef8, params8, *jax.device_put((tokens, valid), sharding.batch_sharding(mesh)))
+  np.testing.assert_allclose(logits8, logits(graphdef8, params, tokens, valid), atol=1e-5)
+
+
+def test_moe_load_sharded_over_experts_gives_same_params_and_logits(exported):
+  cfg, params, path = exported["qwen3_moe"]
+  mesh = sharding.make_mesh(1, 1, 2, expert=4)
+  graphdef8, params8 = from_pretrained(path, mesh=mesh)[1:]
+  w_gate = params8["blocks"][0]["mlp"]["w_gate"]
+  assert w_gate.sharding.spec == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
+  assert w_gate.addressable_shards[0].data.shape == (2, 64, 16)  # (E/expert, D, F/tensor): two experts' blocks
+  _assert_same(params, params8)
+  tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, cfg.vocab_size)
   valid = jnp.arange(12)[None] >= jnp.array([0, 4] * 4)[:, None]
   logits = jax.jit(sequence_logits, static_argnums=0)
   with jax.set_mesh(mesh):

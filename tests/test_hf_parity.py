@@ -1,6 +1,7 @@
-"""Parity with `transformers` for tiny random Llama (llama3 RoPE, untied head), Qwen2 (q/k/v bias, tied head) and
-Qwen3 (QK-norm, head_dim != hidden / heads): logits with and without left padding, greedy generation, and an
-export that transformers loads back. Checkpoint I/O without torch is in test_hf_io.py."""
+"""Parity with `transformers` for tiny random Llama (llama3 RoPE, untied head), Qwen2 (q/k/v bias, tied head),
+Qwen3 (QK-norm, head_dim != hidden / heads) and Qwen3-MoE (normalised top-k with a dense layer among the sparse
+ones; unnormalised top-k with decoder_sparse_step 2): logits with and without left padding, greedy generation, and
+an export that transformers loads back. Checkpoint I/O without torch is in test_hf_io.py."""
 import json
 import os
 
@@ -10,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+safetensors = pytest.importorskip("safetensors")
 
 from jaxrl_batch import from_pretrained, save_pretrained  # noqa: E402
 from jaxrl_batch.model import sequence_logits  # noqa: E402
@@ -19,6 +20,8 @@ from jaxrl_batch.sampling import SamplingParams, generate  # noqa: E402
 V, PAD, EOS = 128, 0, 127
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, attn_implementation="eager")
+MOE = dict(COMMON, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+           tie_word_embeddings=False)
 FAMILIES = {
     # theta 1e4 with head_dim 16 puts wavelengths on both sides of and between the llama3 thresholds (32/4, 32).
     "llama": lambda: transformers.LlamaConfig(
@@ -27,7 +30,11 @@ FAMILIES = {
                           original_max_position_embeddings=32)),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1e6),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, tie_word_embeddings=False, head_dim=32),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen3_moe_unnormed": lambda: transformers.Qwen3MoeConfig(**MOE, norm_topk_prob=False, decoder_sparse_step=2),
 }
+EXPECTED = {"llama": (False, False, False, ()), "qwen2": (True, False, True, ()), "qwen3": (False, True, False, ()),
+            "qwen3_moe": (False, True, False, (0, 2)), "qwen3_moe_unnormed": (False, True, False, (1,))}
 _jit_logits = jax.jit(sequence_logits, static_argnums=0)
 
 
@@ -81,8 +88,7 @@ def _hf_logits(model, tokens, valid):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_logits_match_transformers_with_and_without_left_padding(checkpoint, name):
   model, (cfg, graphdef, params) = checkpoint(name)
-  assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings) == {
-      "llama": (False, False, False), "qwen2": (True, False, True), "qwen3": (False, True, False)}[name]
+  assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings, cfg.moe_layers) == EXPECTED[name]
   tokens, valid = _batch(2, 12, pad=4)
   ours = np.asarray(_jit_logits(graphdef, params, tokens, valid))
   want = _hf_logits(model, tokens, valid)
@@ -119,7 +125,9 @@ def test_export_round_trip_loads_in_transformers(checkpoint, name, tmp_path):
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
   with open(os.path.join(out, "model.safetensors.index.json")) as f:
     exported_names = set(json.load(f)["weight_map"])
-  assert exported_names == {n for n, _ in model.named_parameters()}  # a tied lm_head is not listed
+  model.save_pretrained(tmp_path / "hf")  # the names transformers writes (MoE experts one by one; no tied lm_head)
+  with safetensors.safe_open(tmp_path / "hf" / "model.safetensors", "np") as f:
+    assert exported_names == set(f.keys())
   tokens, valid = _batch(2, 12, pad=4)
   np.testing.assert_allclose(_hf_logits(reloaded, tokens, valid)[valid], _hf_logits(model, tokens, valid)[valid],
                              atol=1e-5)

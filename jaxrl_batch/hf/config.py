@@ -1,7 +1,8 @@
-"""Hugging Face `config.json` <-> `ModelConfig` for the Llama, Qwen2 and Qwen3 families.
+"""Hugging Face `config.json` <-> `ModelConfig` for the Llama, Qwen2, Qwen3 and Qwen3-MoE families.
 
 Reads both the transformers 4 layout (top-level `rope_theta`, `rope_scaling`) and the transformers 5 one
-(`rope_parameters` holding `rope_theta`); writes the transformers 4 layout, which both versions load.
+(`rope_parameters` holding `rope_theta`, `num_local_experts`); writes the transformers 4 layout, which both
+versions load.
 """
 import dataclasses
 
@@ -13,7 +14,9 @@ FAMILIES = {
     "LlamaForCausalLM": ("llama", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
 }
+MOE = "Qwen3MoeForCausalLM"
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
@@ -82,6 +85,7 @@ def to_model_config(hf: dict, dtype: str = "float32", param_dtype: str | None = 
                      "full_attention layers are implemented.")
   heads = _field(hf, "num_attention_heads")
   theta, scaling = _rope(hf)
+  moe = _moe(hf) if arch == MOE else {}
   return ModelConfig(
       vocab_size=_field(hf, "vocab_size"),
       d_model=_field(hf, "hidden_size"),
@@ -97,16 +101,33 @@ def to_model_config(hf: dict, dtype: str = "float32", param_dtype: str | None = 
       param_dtype=param_dtype or dtype,
       qkv_bias=qkv_bias,
       qk_norm=qk_norm,
-      rope_scaling=scaling)
+      rope_scaling=scaling,
+      **moe)
+
+
+def _moe(hf: dict) -> dict:
+  """ModelConfig's mixture-of-experts fields of a Qwen3-MoE config.json."""
+  experts = hf.get("num_experts") or hf.get("num_local_experts")
+  if not experts:
+    raise ValueError(f"config.json lacks 'num_experts' (or 'num_local_experts'), which {MOE} needs; add it.")
+  return dict(num_experts=experts, num_experts_per_tok=_field(hf, "num_experts_per_tok"),
+              moe_d_ff=_field(hf, "moe_intermediate_size"), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+              decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+              mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
 
 
 def from_model_config(cfg: ModelConfig, base: dict | None = None, torch_dtype: str | None = None) -> dict:
-  """config.json for `cfg`: Qwen3 if it has QK-norm, Qwen2 if q/k/v biases, else Llama.
+  """config.json for `cfg`: Qwen3-MoE if it has experts, else Qwen3 if it has QK-norm, Qwen2 if q/k/v biases,
+  else Llama.
 
   Fields of `base` (e.g. the source checkpoint's config.json: token ids, max_position_embeddings) are kept unless
   `cfg` defines them.
   """
-  arch = next((a for a, (_, bias, norm) in FAMILIES.items() if (bias, norm) == (cfg.qkv_bias, cfg.qk_norm)), None)
+  if cfg.num_experts and (cfg.qkv_bias or not cfg.qk_norm):
+    raise ValueError(f"{MOE}, the only mixture-of-experts family supported, has QK-norm and no q/k/v biases; "
+                     "export needs qk_norm=True and qkv_bias=False.")
+  arch = MOE if cfg.num_experts else next(
+      (a for a, (_, bias, norm) in FAMILIES.items() if a != MOE and (bias, norm) == (cfg.qkv_bias, cfg.qk_norm)), None)
   if arch is None:
     raise ValueError("No supported Hugging Face family has both q/k/v biases and QK-norm; export needs "
                      "qkv_bias=False or qk_norm=False.")
@@ -133,4 +154,9 @@ def from_model_config(cfg: ModelConfig, base: dict | None = None, torch_dtype: s
     hf["mlp_bias"] = False
   else:
     hf["use_sliding_window"] = False
+  if arch == MOE:
+    hf.pop("num_local_experts", None)
+    hf.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+              moe_intermediate_size=cfg.moe_d_ff, norm_topk_prob=cfg.norm_topk_prob,
+              decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers))
   return hf

@@ -1,10 +1,11 @@
-"""Hugging Face Llama/Qwen2/Qwen3 checkpoints in (`from_pretrained`) and out (`save_pretrained`).
+"""Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE checkpoints in (`from_pretrained`) and out (`save_pretrained`).
 
 Loading is sharded as it goes: params are laid out by `sharding.abstract_sharded`, and each device's block of each
 tensor is read straight from the safetensors files, so no host ever holds a full copy of a sharded parameter.
 """
 import functools
 import json
+import math
 import os
 
 import jax
@@ -42,21 +43,29 @@ def _check_tensors(reader: safetensors_io.Reader, tensors: list[layout.Tensor], 
                      "describes a model without it (check architectures, attention_bias, tie_word_embeddings).")
   shapes = {_keys(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   for t in tensors:
-    want = layout.hf_shape(shapes[t.path], t.axes)
+    want = layout.hf_shape(t.shape_of(shapes[t.path]), t.axes)
     if reader.shape(t.name) != want:
       raise ValueError(f"{directory}: tensor {t.name} has shape {reader.shape(t.name)}, but config.json implies "
                        f"{want}; config.json does not match the weights.")
 
 
-def _load(reader: safetensors_io.Reader, tensor: layout.Tensor, spec: jax.ShapeDtypeStruct) -> jax.Array:
-  """One parameter, each device reading only its block (read once per distinct block on this host)."""
+def _load(reader: safetensors_io.Reader, tensors: list[layout.Tensor], spec: jax.ShapeDtypeStruct) -> jax.Array:
+  """One parameter from its tensor (or, stacked, its experts' tensors), each device reading only its block (read
+  once per distinct block on this host)."""
   blocks = {}
+
+  def read(tensor, index):
+    return layout.read_block(functools.partial(reader.read, tensor.name), tensor.shape_of(spec.shape), tensor.axes,
+                             index)
 
   def block(index):
     key = tuple(s.indices(n)[:2] for s, n in zip(index, spec.shape))
     if key not in blocks:
-      read = functools.partial(reader.read, tensor.name)
-      blocks[key] = layout.read_block(read, spec.shape, tensor.axes, index).astype(spec.dtype)
+      if tensors[0].expert is None:
+        blocks[key] = read(tensors[0], index).astype(spec.dtype)
+      else:
+        by_expert = {t.expert: t for t in tensors}
+        blocks[key] = np.stack([read(by_expert[j], index[1:]) for j in range(*key[0])]).astype(spec.dtype)
     return blocks[key]
 
   return jax.make_array_from_callback(spec.shape, spec.sharding, block)
@@ -64,7 +73,7 @@ def _load(reader: safetensors_io.Reader, tensor: layout.Tensor, spec: jax.ShapeD
 
 def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=None, dtype: str = "float32",
                     param_dtype: str | None = None):
-  """Loads a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM directory.
+  """Loads a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM directory.
 
   Args:
     path: directory with config.json and model.safetensors (or model.safetensors.index.json + shards).
@@ -81,7 +90,9 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=N
   graphdef, abstract = sharding.abstract_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), mesh,
                                                  sharding.DEFAULT_RULES if rules is None else rules)
   tensors = layout.tensors(cfg)
-  by_path = {t.path: t for t in tensors}
+  by_path = {}
+  for t in tensors:
+    by_path.setdefault(t.path, []).append(t)
   with safetensors_io.Reader(path) as reader:
     _check_tensors(reader, tensors, abstract, cfg, path)
     params = jax.tree_util.tree_map_with_path(lambda p, spec: _load(reader, by_path[_keys(p)], spec), abstract)
@@ -96,8 +107,9 @@ def save_pretrained(cfg: ModelConfig, params, out_dir: str, *, base_config: dict
                     dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> None:
   """Writes config.json and safetensors that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-  The family follows the config: Qwen3 with QK-norm, Qwen2 with q/k/v biases, else Llama. Params are gathered to
-  the host one shard file (at most `max_shard_bytes`) at a time; every process must call this, process 0 writes.
+  The family follows the config: Qwen3-MoE with experts, Qwen3 with QK-norm, Qwen2 with q/k/v biases, else Llama.
+  Params are gathered to the host one shard file (at most `max_shard_bytes`) at a time; every process must call this,
+  process 0 writes.
 
   Args:
     cfg: the model's config.
@@ -114,10 +126,14 @@ def save_pretrained(cfg: ModelConfig, params, out_dir: str, *, base_config: dict
                      "differ; pass the config the params were built with.")
   out_dtype = np.dtype(dtype or cfg.param_dtype)
 
-  def fetch(t):
-    return lambda: layout.to_hf(_to_host(leaves[t.path]), t.axes).astype(out_dtype)
+  def held(t):
+    return leaves[t.path] if t.expert is None else leaves[t.path][t.expert]
 
-  entries = [safetensors_io.Entry(t.name, leaves[t.path].size * out_dtype.itemsize, fetch(t)) for t in tensors]
+  def fetch(t):
+    return lambda: layout.to_hf(_to_host(held(t)), t.axes).astype(out_dtype)
+
+  entries = [safetensors_io.Entry(t.name, math.prod(t.shape_of(leaves[t.path].shape)) * out_dtype.itemsize, fetch(t))
+             for t in tensors]
   writer = jax.process_index() == 0
   safetensors_io.write(out_dir, entries, max_shard_bytes, writer)
   if writer:

@@ -1,8 +1,9 @@
-"""Where each of our parameters lives in a Hugging Face Llama/Qwen checkpoint, and how the axes map.
+"""Where each of our parameters lives in a Hugging Face Llama/Qwen/Qwen3-MoE checkpoint, and how the axes map.
 
 HF stores a Linear weight as [out, in] with heads flattened into one axis; we keep [in, out] with heads split
 (`wq` is (D, N, H)). A `Tensor` records, for each HF axis, which of our axes it flattens (row-major), so the same
-record converts either way and lets a loader read only the rows and columns one device needs.
+record converts either way and lets a loader read only the rows and columns one device needs. An MoE checkpoint
+stores each expert's weights as its own tensors; we stack them on a leading expert axis.
 """
 import math
 from collections.abc import Callable
@@ -20,11 +21,18 @@ class Tensor(NamedTuple):
   path: keys of our parameter in the params dict, e.g. ("blocks", 0, "attn", "wq").
   axes: for each HF axis, outermost first, the tuple of our axes it flattens; q_proj.weight (N*H, D) holds our
     wq (D, N, H) as ((1, 2), (0,)).
+  expert: None, or the index j along our parameter's leading (expert) axis of the slice this tensor holds; `axes`
+    then refer to the axes of that slice. "mlp.experts.3.gate_proj.weight" (F, D) is w_gate[3] (D, F) transposed.
   """
 
   name: str
   path: tuple
   axes: tuple[tuple[int, ...], ...]
+  expert: int | None = None
+
+  def shape_of(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of what this tensor holds of a parameter of `param_shape`, in our axis order."""
+    return param_shape if self.expert is None else param_shape[1:]
 
 
 _SAME_1D = ((0,),)
@@ -33,6 +41,7 @@ _TRANSPOSED = ((1,), (0,))
 _HEADS_OUT = ((1, 2), (0,))  # (D, N, H) <- [N*H, D]
 _HEADS_IN = ((2,), (0, 1))  # (N, H, D) <- [D, N*H]
 _HEADS_BIAS = ((0, 1),)  # (N, H) <- [N*H]
+_MLP = ("gate", "up", "down")
 
 
 def tensors(cfg: ModelConfig) -> list[Tensor]:
@@ -45,10 +54,9 @@ def tensors(cfg: ModelConfig) -> list[Tensor]:
     hf, ours = f"model.layers.{i}.", ("blocks", i)
     out += [Tensor(hf + "input_layernorm.weight", ours + ("attn_norm", "scale"), _SAME_1D),
             Tensor(hf + "post_attention_layernorm.weight", ours + ("mlp_norm", "scale"), _SAME_1D),
-            Tensor(hf + "self_attn.o_proj.weight", ours + ("attn", "wo"), _HEADS_IN),
-            Tensor(hf + "mlp.gate_proj.weight", ours + ("mlp", "w_gate"), _TRANSPOSED),
-            Tensor(hf + "mlp.up_proj.weight", ours + ("mlp", "w_up"), _TRANSPOSED),
-            Tensor(hf + "mlp.down_proj.weight", ours + ("mlp", "w_down"), _TRANSPOSED)]
+            Tensor(hf + "self_attn.o_proj.weight", ours + ("attn", "wo"), _HEADS_IN)]
+    out += _moe(cfg, hf, ours) if i in cfg.moe_layers else [
+        Tensor(hf + f"mlp.{name}_proj.weight", ours + ("mlp", f"w_{name}"), _TRANSPOSED) for name in _MLP]
     for x in "qkv":
       out.append(Tensor(hf + f"self_attn.{x}_proj.weight", ours + ("attn", f"w{x}"), _HEADS_OUT))
       if cfg.qkv_bias:
@@ -57,6 +65,14 @@ def tensors(cfg: ModelConfig) -> list[Tensor]:
       out += [Tensor(hf + "self_attn.q_norm.weight", ours + ("attn", "q_norm", "scale"), _SAME_1D),
               Tensor(hf + "self_attn.k_norm.weight", ours + ("attn", "k_norm", "scale"), _SAME_1D)]
   return out
+
+
+def _moe(cfg: ModelConfig, hf: str, ours: tuple) -> list[Tensor]:
+  """A Qwen3-MoE layer: the router, and one (gate, up, down) triple per expert, each a slice of our stacked
+  (E, ...) weights."""
+  return [Tensor(hf + "mlp.gate.weight", ours + ("mlp", "router"), _TRANSPOSED)] + [
+      Tensor(hf + f"mlp.experts.{j}.{name}_proj.weight", ours + ("mlp", f"w_{name}"), _TRANSPOSED, j)
+      for j in range(cfg.num_experts) for name in _MLP]
 
 
 def hf_shape(shape: tuple[int, ...], axes) -> tuple[int, ...]:

@@ -26,6 +26,14 @@ class ModelConfig:
     qkv_bias: add a learned bias to the query, key and value projections (Qwen2).
     qk_norm: RMSNorm over head_dim on each query and key head before RoPE (Qwen3).
     rope_scaling: RoPE context extension (Llama 3.1+ "llama3", or "linear"); None for plain RoPE.
+    num_experts: experts E of each mixture-of-experts layer (Qwen3-MoE); 0 for a dense model.
+    num_experts_per_tok: experts k each token is routed to.
+    moe_d_ff: SwiGLU hidden width of one expert.
+    norm_topk_prob: renormalise the k chosen experts' router probabilities to sum 1.
+    decoder_sparse_step: layer i is an MoE layer iff (i + 1) % decoder_sparse_step == 0 (and not in mlp_only_layers).
+    mlp_only_layers: layers kept dense (a SwiGLU of width d_ff) in an MoE model.
+    routing_replay: the trainer reuses the experts the sampler chose for each token (`rl` rollouts record them)
+      instead of routing again; it changes no parameter.
   """
 
   vocab_size: int
@@ -43,8 +51,16 @@ class ModelConfig:
   qkv_bias: bool = False
   qk_norm: bool = False
   rope_scaling: RopeScaling | None = None
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_d_ff: int = 0
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  routing_replay: bool = False
 
   def __post_init__(self):
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff"):
       if getattr(self, name) <= 0:
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}.")
@@ -57,6 +73,30 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise ValueError(f"model.{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}.")
+    if self.num_experts:
+      self._check_moe()
+    elif self.routing_replay:
+      raise ValueError("model.routing_replay needs a mixture-of-experts model (model.num_experts > 0).")
+
+  def _check_moe(self):
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(f"model.num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                       f"{self.num_experts}.")
+    if self.moe_d_ff <= 0 or self.decoder_sparse_step <= 0:
+      raise ValueError(f"model.moe_d_ff={self.moe_d_ff} and model.decoder_sparse_step={self.decoder_sparse_step} "
+                       "must be positive in a mixture-of-experts model.")
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"model.mlp_only_layers={list(self.mlp_only_layers)} names layers {bad} outside "
+                       f"0..{self.num_layers - 1}.")
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """Indices of the mixture-of-experts layers (Hugging Face's rule); empty for a dense model."""
+    if not self.num_experts:
+      return ()
+    return tuple(i for i in range(self.num_layers)
+                 if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
   @property
   def compute_dtype(self):
@@ -78,11 +118,15 @@ class ModelConfig:
       given["rope_scaling"] = RopeScaling(**dict(given["rope_scaling"]))
     return cls(**given)
 
-  def num_params(self) -> int:
-    """Parameter count (embedding counted once when tied)."""
+  def num_params(self, active: bool = False) -> int:
+    """Parameter count (embedding counted once when tied); `active`: only the k experts a token uses per MoE layer
+    (the count a token's FLOPs scale with)."""
     attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
     attn += self.qkv_bias * self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.qk_norm * 2 * self.head_dim
-    mlp = 3 * self.d_model * self.d_ff
-    per_layer = attn + mlp + 2 * self.d_model
+    sparse = len(self.moe_layers)
+    experts = self.num_experts_per_tok if active else self.num_experts
+    mlp = (self.num_layers - sparse) * 3 * self.d_model * self.d_ff
+    mlp += sparse * (experts * 3 * self.d_model * self.moe_d_ff + self.d_model * self.num_experts)
+    per_layer = attn + 2 * self.d_model
     head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-    return self.vocab_size * self.d_model + self.num_layers * per_layer + self.d_model + head
+    return self.vocab_size * self.d_model + self.num_layers * per_layer + mlp + self.d_model + head

@@ -6,22 +6,30 @@ from jaxrl_batch.model.config import ModelConfig
 from jaxrl_batch.model.kv_cache import KVCache
 from jaxrl_batch.model.layers import Attention, RMSNorm, SwiGLU, fan_in_normal, sharded_param
 from jaxrl_batch.model.linear import linear
+from jaxrl_batch.model.moe import MoE
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is an `MoE` if `sparse`."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.weight_dtype, rngs)
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.weight_dtype, rngs)
-    self.mlp = SwiGLU(cfg, rngs)
+    self.sparse = sparse
+    self.mlp = MoE(cfg, rngs) if sparse else SwiGLU(cfg, rngs)
 
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None, decode_backend=None):
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None, decode_backend=None,
+               replay_BxTxK=None):
+    """(x_BxTxD, cache, routing): routing is the MoE layer's `moe.Routing`, None in a dense block."""
     h, cache = self.attn(self.attn_norm(x_BxTxD), positions_BxT, mask_BxTxS, cache, layer, cache_index,
                          decode_backend)
     x_BxTxD = x_BxTxD + h
-    return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), cache
+    if self.sparse:
+      y, routing = self.mlp(self.mlp_norm(x_BxTxD), replay_BxTxK)
+    else:
+      y, routing = self.mlp(self.mlp_norm(x_BxTxD)), None
+    return x_BxTxD + y, cache, routing
 
 
 class Transformer(nnx.Module):
@@ -32,7 +40,7 @@ class Transformer(nnx.Module):
     dt = cfg.weight_dtype
     self.embedding = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.vocab_size, cfg.d_model),
                                    ("vocab", "embed"), dt)
-    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([Block(cfg, rngs, layer in cfg.moe_layers) for layer in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dt, rngs)
     if not cfg.tie_embeddings:
       self.lm_head = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.d_model, cfg.vocab_size),
@@ -41,10 +49,24 @@ class Transformer(nnx.Module):
   def hidden(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None,
              decode_backend: str | None = None):
     """Final-normed hidden states (B, T, D) in the compute dtype, and the updated cache; args as `__call__`."""
+    x, cache, _ = self.forward(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index, decode_backend)
+    return x, cache
+
+  def forward(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None,
+              decode_backend: str | None = None, replay_BxTxLxK=None):
+    """`hidden` and the routing of every MoE layer: (hidden_BxTxD, cache, routings), routings a tuple of
+    `moe.Routing` over the B*T tokens, one per layer of `cfg.moe_layers` (empty for a dense model).
+
+    replay_BxTxLxK: optional int experts per token for each of the L MoE layers (routing replay).
+    """
     x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
+    routings = []
     for layer, block in enumerate(self.blocks):
-      x, cache = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index, decode_backend)
-    return self.final_norm(x), cache
+      replay = None if replay_BxTxLxK is None or not block.sparse else replay_BxTxLxK[:, :, len(routings)]
+      x, cache, routing = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index, decode_backend, replay)
+      if routing is not None:
+        routings.append(routing)
+    return self.final_norm(x), cache, tuple(routings)
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None,
                decode_backend: str | None = None):

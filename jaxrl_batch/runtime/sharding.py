@@ -1,7 +1,9 @@
 """Device mesh and logical-axis sharding: parameters are created already sharded.
 
-Mesh axes are `data`, `fsdp` and `tensor`. Each parameter dimension carries a logical name (`embed`, `mlp`, ...);
-`rules` map logical names to mesh axes, e.g. `(("embed", "fsdp"), ("mlp", "tensor"), ("head_dim", None))`.
+Mesh axes are `data`, `fsdp`, `expert` and `tensor`. Each parameter dimension carries a logical name (`embed`,
+`mlp`, `expert`, ...); `rules` map logical names to mesh axes, e.g. `(("embed", "fsdp"), ("mlp", "tensor"))`.
+The batch is split over `data`, `fsdp` and `expert` (outside the MoE layers the expert axis is data parallelism);
+MoE experts are split over `expert` (`model.moe`).
 """
 import math
 from collections.abc import Sequence
@@ -12,7 +14,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical axis -> mesh axis (or tuple of axes, or None for replicated).
 DEFAULT_RULES = (
@@ -22,17 +25,20 @@ DEFAULT_RULES = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("expert", "expert"),
     ("norm", None),
 )
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over `devices` (default: all); one axis may be -1 to take the remaining devices."""
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None,
+              expert: int = 1) -> Mesh:
+  """A (data, fsdp, expert, tensor) mesh over `devices` (default: all); one axis may be -1 to take the remaining
+  devices."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = [data, fsdp, tensor]
+  shape = [data, fsdp, expert, tensor]
   if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
-    raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(shape)}: each size must be positive, and at most one "
-                     "may be -1 (fill with the remaining devices).")
+    raise ValueError(f"mesh (data, fsdp, expert, tensor) = {tuple(shape)}: each size must be positive, and at most "
+                     "one may be -1 (fill with the remaining devices).")
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if len(devices) % known:
@@ -40,10 +46,10 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[
                        f"multiple of {known}.")
     shape[shape.index(-1)] = len(devices) // known
   if math.prod(shape) != len(devices):
-    raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(shape)} needs {math.prod(shape)} devices but "
+    raise ValueError(f"mesh (data, fsdp, expert, tensor) = {tuple(shape)} needs {math.prod(shape)} devices but "
                      f"{len(devices)} are available; set config.mesh so the product equals the device count "
                      "(or use -1 for one axis).")
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], rules, mesh: Mesh) -> P:
@@ -109,13 +115,13 @@ def create_sharded(module_fn, mesh: Mesh, rules):
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  """Leading (batch) dimension split over data and fsdp; the rest replicated."""
-  return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+  """Leading (batch) dimension split over data, fsdp and expert; the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def data_parallel_size(mesh: Mesh) -> int:
   """How many ways the batch is split: every batch size must be a multiple of this."""
-  return mesh.shape["data"] * mesh.shape["fsdp"]
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

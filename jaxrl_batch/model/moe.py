@@ -1,0 +1,144 @@
+"""Mixture-of-experts SwiGLU (Qwen3-MoE): a softmax router picks k of E experts per token.
+
+Dropless: every (token, expert) assignment is computed. Assignments are sorted into expert groups and run through
+grouped matmuls (`jax.lax.ragged_dot`), so the work is k expert MLPs per token whatever the routing.
+
+Under a mesh the block runs as one `shard_map` over every mesh axis: tokens are split over the batch axes (`data`,
+`fsdp`, `expert`, those that divide the batch), experts over `expert`, each expert's hidden width over `tensor`.
+A device all-gathers the tokens of its `expert` group, runs its own experts on the assignments routed to them, and
+the partial outputs are summed back to the tokens' owners with a reduce-scatter. This moves (ep - 1) / ep of the
+group's tokens each way, as much as an all-to-all of k copies does when k >= ep (Qwen3-30B-A3B: k = 8), and needs
+no capacity factor.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_batch.model.layers import fan_in_normal, sharded_param
+from jaxrl_batch.model.linear import linear
+
+# Mesh axes tokens may be split over, outermost first (`runtime.sharding.MESH_AXES` minus `tensor`).
+TOKEN_AXES = ("data", "fsdp", "expert")
+
+
+class Routing(NamedTuple):
+  """One MoE layer's routing of N tokens.
+
+  experts_NxK: int32 chosen experts, by decreasing router probability (unless replayed).
+  weights_NxK: float32 mixing weights of the chosen experts (renormalised to sum 1 if `norm_topk_prob`).
+  probs_NxE: float32 router softmax over all experts (load-balancing loss and statistics).
+  """
+
+  experts_NxK: jax.Array
+  weights_NxK: jax.Array
+  probs_NxE: jax.Array
+
+
+def route(logits_NxE, k: int, norm_topk_prob: bool, replay_NxK=None) -> Routing:
+  """Softmax over experts in float32, then the top k (or the `replay_NxK` experts, e.g. the sampler's).
+
+  Replayed experts still take their weights from this router's probabilities, so the router gets gradients.
+  """
+  probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+  experts_NxK = jax.lax.top_k(probs_NxE, k)[1] if replay_NxK is None else replay_NxK.astype(jnp.int32)
+  weights_NxK = jnp.take_along_axis(probs_NxE, experts_NxK, axis=-1)
+  if norm_topk_prob:
+    weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+  return Routing(experts_NxK, weights_NxK, probs_NxE)
+
+
+def grouped_swiglu(x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, first_expert=0):
+  """sum_k weights[n, k] * SwiGLU_{experts[n, k]}(x[n]) for the experts first_expert..first_expert+E-1 held here;
+  assignments to other experts contribute 0. Returns (N, D) in x's dtype."""
+  n, k = experts_NxK.shape
+  e = w_gate_ExDxF.shape[0]
+  local_M = experts_NxK.reshape(-1) - first_expert
+  held_M = (local_M >= 0) & (local_M < e)
+  group_M = jnp.where(held_M, local_M, e)  # assignments held elsewhere sort last and fall in no group
+  order_M = jnp.argsort(group_M, stable=True)
+  sizes_E = jnp.bincount(group_M, length=e + 1)[:e].astype(jnp.int32)
+  x_MxD = jnp.take(x_NxD, order_M // k, axis=0)
+  gate_MxF = jax.nn.silu(jax.lax.ragged_dot(x_MxD, w_gate_ExDxF, sizes_E))
+  h_MxF = gate_MxF * jax.lax.ragged_dot(x_MxD, w_up_ExDxF, sizes_E)
+  y_MxD = jax.lax.ragged_dot(h_MxF, w_down_ExFxD, sizes_E)
+  y_MxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD, unique_indices=True)
+  mix_NxK = jnp.where(held_M.reshape(n, k), weights_NxK, 0.0).astype(y_MxD.dtype)
+  return jnp.einsum("nkd,nk->nd", y_MxD.reshape(n, k, -1), mix_NxK)
+
+
+def _divides(mesh, axes, size: int) -> tuple[str, ...]:
+  """The prefix-greedy subset of `axes` (those in the mesh with size > 1) whose product divides `size`."""
+  kept, prod = [], 1
+  for a in axes:
+    if a in mesh.shape and mesh.shape[a] > 1 and size % (prod * mesh.shape[a]) == 0:
+      kept.append(a)
+      prod *= mesh.shape[a]
+  return tuple(kept)
+
+
+def sharded_swiglu(x_BxTxD, routing: Routing, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+  """`grouped_swiglu` of (B, T, D) tokens under the current mesh (see the module docstring); (B, T, D)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  b, t, d = x_BxTxD.shape
+  k = routing.experts_NxK.shape[-1]
+  experts_BxTxK, weights_BxTxK = (a.reshape(b, t, k) for a in routing[:2])
+  if mesh.empty or mesh.size == 1:
+    return grouped_swiglu(x_BxTxD.reshape(b * t, d), *(a.reshape(b * t, k) for a in (experts_BxTxK, weights_BxTxK)),
+                          w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD).reshape(b, t, d)
+  e, _, f = w_gate_ExDxF.shape
+  ep = mesh.shape.get("expert", 1)
+  if e % ep:
+    raise ValueError(f"model.num_experts={e} is not a multiple of the mesh's expert axis ({ep}); set mesh.expert "
+                     "to a divisor of the expert count.")
+  tokens = _divides(mesh, TOKEN_AXES, b)
+  tp = _divides(mesh, ("tensor",), f)
+  rows = P(tokens or None)
+  experts = "expert" if ep > 1 else None
+  in_specs = (rows, rows, rows, P(experts, None, tp or None), P(experts, None, tp or None), P(experts, tp or None))
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=in_specs, out_specs=rows, check_vma=False)
+  def local(x, experts_, weights_, w_gate, w_up, w_down):
+    gathered = "expert" in tokens
+    if gathered:
+      x, experts_, weights_ = (jax.lax.all_gather(a, "expert", tiled=True) for a in (x, experts_, weights_))
+    bl = x.shape[0]
+    first = jax.lax.axis_index("expert") * w_gate.shape[0] if experts else 0
+    y = grouped_swiglu(x.reshape(bl * t, d), experts_.reshape(bl * t, k), weights_.reshape(bl * t, k), w_gate, w_up,
+                       w_down, first).reshape(bl, t, d)
+    if tp:
+      y = jax.lax.psum(y, tp)
+    if gathered:
+      return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+    return jax.lax.psum(y, "expert") if experts else y
+
+  return local(x_BxTxD, experts_BxTxK, weights_BxTxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+
+
+class MoE(nnx.Module):
+  """Router (D, E) and E stacked SwiGLU experts of hidden width `cfg.moe_d_ff`.
+
+  Logical axes: router ("embed", None); w_gate, w_up ("expert", "embed", "mlp"); w_down ("expert", "mlp", "embed").
+  """
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    d, e, f, dt = cfg.d_model, cfg.num_experts, cfg.moe_d_ff, cfg.weight_dtype
+    self.cfg = cfg
+    self.router = sharded_param(rngs, fan_in_normal(d), (d, e), ("embed", None), dt)
+    self.w_gate = sharded_param(rngs, fan_in_normal(d), (e, d, f), ("expert", "embed", "mlp"), dt)
+    self.w_up = sharded_param(rngs, fan_in_normal(d), (e, d, f), ("expert", "embed", "mlp"), dt)
+    out_scale = (2 * cfg.num_layers) ** -0.5
+    self.w_down = sharded_param(rngs, fan_in_normal(f, out_scale), (e, f, d), ("expert", "mlp", "embed"), dt)
+
+  def __call__(self, x_BxTxD, replay_BxTxK=None):
+    """(y_BxTxD, Routing of the B*T tokens, row-major); `replay_BxTxK` forces each token's experts."""
+    dt = self.cfg.compute_dtype
+    b, t, d = x_BxTxD.shape
+    logits_NxE = linear(x_BxTxD.reshape(b * t, d), self.router[...].astype(dt), preferred_element_type=jnp.float32)
+    replay = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
+    routing = route(logits_NxE, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, replay)
+    y = sharded_swiglu(x_BxTxD, routing, *(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down)))
+    return y, routing

@@ -1,0 +1,143 @@
+"""The mixture-of-experts block: routing, the grouped (ragged) dispatch against a dense all-experts reference,
+routing replay, config rules, and the same losses and gradients on 1 and 8 fake devices with experts sharded."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_batch.model import ModelConfig, Transformer, moe, sequence_logits
+from jaxrl_batch.model.layers import SwiGLU
+from jaxrl_batch.model.masks import causal_mask, positions_from_valid
+from jaxrl_batch.runtime import sharding
+
+CFG = ModelConfig(vocab_size=64, d_model=16, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,
+                  qk_norm=True, tie_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_d_ff=8,
+                  mlp_only_layers=(1,))
+ONE = jax.devices()[:1]
+
+
+def _dense_reference(x_NxD, experts_NxK, weights_NxK, w_gate, w_up, w_down):
+  """Every expert on every token, then each token's chosen experts mixed by their weights."""
+  all_ExNxD = jnp.einsum("enf,efd->end", jax.nn.silu(jnp.einsum("nd,edf->enf", x_NxD, w_gate)) *
+                         jnp.einsum("nd,edf->enf", x_NxD, w_up), w_down)
+  mix_NxE = jnp.zeros((x_NxD.shape[0], w_gate.shape[0])).at[jnp.arange(x_NxD.shape[0])[:, None], experts_NxK].add(
+      weights_NxK)
+  return jnp.einsum("end,ne->nd", all_ExNxD, mix_NxE)
+
+
+def _weights(seed, e=8, d=16, f=8):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(k1, (e, d, f)) / 4, jax.random.normal(k2, (e, d, f)) / 4,
+          jax.random.normal(k3, (e, f, d)) / 3)
+
+
+def test_grouped_dispatch_matches_dense_reference():
+  x = jax.random.normal(jax.random.key(0), (40, 16))
+  experts = jax.random.randint(jax.random.key(1), (40, 3), 0, 8)  # skewed counts; some experts may get none
+  weights = jax.random.uniform(jax.random.key(2), (40, 3))
+  w = _weights(3)
+  np.testing.assert_allclose(moe.grouped_swiglu(x, experts, weights, *w), _dense_reference(x, experts, weights, *w),
+                             atol=1e-5)
+  # Experts 2..5 held here: the others contribute nothing, and the two halves sum to the whole.
+  part = [moe.grouped_swiglu(x, experts, weights, *(a[lo:lo + 4] for a in w), first_expert=lo) for lo in (0, 4)]
+  np.testing.assert_allclose(part[0] + part[1], _dense_reference(x, experts, weights, *w), atol=1e-5)
+  held = jnp.where((experts >= 4), weights, 0.0)
+  np.testing.assert_allclose(part[1], _dense_reference(x, experts, held, *w), atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_takes_top_k_of_the_softmax(norm):
+  logits = jax.random.normal(jax.random.key(4), (10, 8)) * 3
+  r = moe.route(logits, 3, norm)
+  probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+  want = np.argsort(-probs, axis=-1)[:, :3]
+  np.testing.assert_array_equal(r.experts_NxK, want)
+  top = np.take_along_axis(probs, want, axis=-1)
+  np.testing.assert_allclose(r.weights_NxK, top / top.sum(-1, keepdims=True) if norm else top, rtol=1e-6)
+
+
+def _model(cfg=CFG):
+  return nnx.merge(*sharding.create_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), sharding.make_mesh(
+      1, 1, 1, devices=ONE), sharding.DEFAULT_RULES))
+
+
+def test_replaying_own_routing_is_exact_and_other_routing_changes_output_but_trains_the_router():
+  model = _model()
+  tokens = jax.random.randint(jax.random.key(5), (2, 7), 0, CFG.vocab_size)
+  valid = jnp.ones((2, 7), bool)
+  args = tokens, positions_from_valid(valid), causal_mask(valid)
+  hidden, _, routings = model.forward(*args)
+  assert len(routings) == len(CFG.moe_layers) == 2
+  replay = jnp.stack([r.experts_NxK.reshape(2, 7, -1) for r in routings], axis=2)
+  np.testing.assert_array_equal(model.forward(*args, replay_BxTxLxK=replay)[0], hidden)
+  other = (replay + 1) % CFG.num_experts
+  assert not np.allclose(model.forward(*args, replay_BxTxLxK=other)[0], hidden, atol=1e-4)
+
+  def loss(m):
+    return jnp.sum(m.forward(*args, replay_BxTxLxK=other)[0] ** 2)
+
+  grads = nnx.grad(loss)(model)
+  assert float(jnp.abs(grads.blocks[0].mlp.router[...]).max()) > 0
+
+
+def test_moe_layers_follow_sparse_step_and_dense_layers_and_param_count_is_exact():
+  assert CFG.moe_layers == (0, 2)
+  assert ModelConfig(**{**CFG.__dict__, "mlp_only_layers": (), "decoder_sparse_step": 2}).moe_layers == (1,)
+  params = nnx.state(_model(), nnx.Param)
+  assert sum(x.size for x in jax.tree.leaves(params)) == CFG.num_params()
+  per_expert = 3 * CFG.d_model * CFG.moe_d_ff
+  assert CFG.num_params() - CFG.num_params(active=True) == 2 * (8 - 2) * per_expert
+  assert isinstance(_model().blocks[1].mlp, SwiGLU) and isinstance(_model().blocks[0].mlp, moe.MoE)
+
+
+def test_bad_moe_configs_are_refused_by_name():
+  base = {**CFG.__dict__}
+  with pytest.raises(ValueError, match="num_experts_per_tok=9"):
+    ModelConfig(**{**base, "num_experts_per_tok": 9})
+  with pytest.raises(ValueError, match=r"mlp_only_layers=\[5\]"):
+    ModelConfig(**{**base, "mlp_only_layers": (5,)})
+  with pytest.raises(ValueError, match="routing_replay needs a mixture-of-experts"):
+    ModelConfig(**{**base, "num_experts": 0, "routing_replay": True})
+  assert ModelConfig.from_config({**base, "mlp_only_layers": [1]}) == CFG  # a JSON list reads back as the tuple
+
+
+def _loss(graphdef, params, tokens, valid):
+  logits = sequence_logits(graphdef, params, tokens, valid)
+  logp = jax.nn.log_softmax(logits[:, :-1])
+  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  return jnp.sum(nll * valid[:, 1:]) / jnp.sum(valid[:, 1:])
+
+
+@pytest.mark.parametrize("mesh_shape, rows", [((2, 1, 2, 2), 8), ((1, 1, 1, 8), 8), ((1, 1, 2, 4), 2)])
+def test_expert_parallel_mesh_gives_same_loss_and_grads(mesh_shape, rows):
+  """(data, fsdp, tensor, expert): tokens gathered over the expert axis; with 2 rows on 4 expert devices the
+  tokens are replicated over it instead."""
+  assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices"
+  assert moe.TOKEN_AXES == sharding.BATCH_AXES
+  tokens = jax.random.randint(jax.random.key(6), (rows, 6), 0, CFG.vocab_size)
+  valid = jnp.ones((rows, 6), bool).at[::2, :2].set(False)
+  results = []
+  data, fsdp, tensor, expert = mesh_shape
+  for mesh in (sharding.make_mesh(1, 1, 1, devices=ONE), sharding.make_mesh(data, fsdp, tensor, expert=expert)):
+    graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+    rows_sharding = sharding.batch_sharding(mesh) if rows % sharding.data_parallel_size(mesh) == 0 else \
+        sharding.replicated(mesh)
+    batch = jax.device_put((tokens, valid), rows_sharding)
+    with jax.set_mesh(mesh):
+      loss, grads = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)(graphdef, params, *batch)
+    results.append((loss, grads, params))
+  (loss1, grads1, _), (loss8, grads8, params8) = results
+  w_gate = params8["blocks"][0]["mlp"]["w_gate"]
+  assert w_gate.addressable_shards[0].data.shape[0] == CFG.num_experts // expert
+  np.testing.assert_allclose(loss1, loss8, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads1, grads8)
+
+
+def test_expert_count_not_divisible_by_expert_axis_is_refused():
+  cfg = ModelConfig(**{**CFG.__dict__, "num_experts": 6})
+  mesh = sharding.make_mesh(1, 1, 1, expert=8)
+  graphdef, params = sharding.create_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+  tokens = jnp.zeros((8, 4), jnp.int32)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="num_experts=6 is not a multiple"):
+    jax.jit(sequence_logits, static_argnums=0)(graphdef, params, tokens, jnp.ones((8, 4), bool))
