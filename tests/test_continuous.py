@@ -170,8 +170,8 @@ def test_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny, temper
   rest = [i for i in range(8) if not first.ended_R[i]]
   second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=sampling, slots=3)
   assert second.ended_R[rest].all()
-  merged = continuous.Outputs(*(jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b)
-                                for a, b in zip(out, second.outputs)))
+  merged = jax.tree.map(lambda a, b: jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b),
+                        out, second.outputs)
   _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
 
 
@@ -227,8 +227,8 @@ def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
                               lengths_R=jnp.asarray(held, jnp.int32))
   rest = [i for i in range(8) if not first.ended_R[i]]
   second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=sampling, slots=3)
-  merged = continuous.Outputs(*(jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b)
-                                for a, b in zip(out, second.outputs)))
+  merged = jax.tree.map(lambda a, b: jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b),
+                        out, second.outputs)
   _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
 
 

@@ -69,10 +69,15 @@ def test_replaying_own_routing_is_exact_and_other_routing_changes_output_but_tra
   args = tokens, positions_from_valid(valid), causal_mask(valid)
   hidden, _, routings = model.forward(*args)
   assert len(routings) == len(CFG.moe_layers) == 2
-  replay = jnp.stack([r.experts_NxK.reshape(2, 7, -1) for r in routings], axis=2)
+  replay = moe.stacked_experts(routings, 2, 7)
+  assert replay.shape == (2, 7, 2, CFG.num_experts_per_tok) and replay.dtype == jnp.int16
   np.testing.assert_array_equal(model.forward(*args, replay_BxTxLxK=replay)[0], hidden)
   other = (replay + 1) % CFG.num_experts
   assert not np.allclose(model.forward(*args, replay_BxTxLxK=other)[0], hidden, atol=1e-4)
+  # Unrecorded tokens (-1) keep the router's own choice: replaying only the last token's moves only that token.
+  partial = jnp.where(jnp.arange(7)[None, :, None, None] == 6, other, -1)
+  moved = np.abs(np.asarray(model.forward(*args, replay_BxTxLxK=partial)[0] - hidden)).max(axis=(0, 2))
+  assert np.all(moved[:6] == 0) and moved[6] > 1e-4
 
   def loss(m):
     return jnp.sum(m.forward(*args, replay_BxTxLxK=other)[0] ** 2)
@@ -141,3 +146,31 @@ def test_expert_count_not_divisible_by_expert_axis_is_refused():
   tokens = jnp.zeros((8, 4), jnp.int32)
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="num_experts=6 is not a multiple"):
     jax.jit(sequence_logits, static_argnums=0)(graphdef, params, tokens, jnp.ones((8, 4), bool))
+
+
+@pytest.mark.parametrize("engine,page_size", [("static", 0), ("continuous", 0), ("continuous", 4)])
+def test_engines_record_the_routing_the_trainer_recomputes(engine, page_size):
+  """The sampler's experts per fed token (prefill and decode steps) are the full-sequence forward's, in float32;
+  -1 at padding and at each response's last token, which is never fed."""
+  from jaxrl_batch.sampling import SamplingParams, rollout
+  graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), sharding.make_mesh(
+      1, 1, 1, devices=ONE), sharding.DEFAULT_RULES)
+  rng = np.random.default_rng(0)
+  lengths = np.array([1, 4, 6])
+  valid = np.arange(6)[None, :] >= 6 - lengths[:, None]
+  prompt, valid = (np.repeat(x, 2, axis=0) for x in (np.where(valid, rng.integers(3, CFG.vocab_size, (3, 6)), 0),
+                                                     valid))
+  sampling = SamplingParams(temperature=1.0, attention_backend="xla", engine=engine, chunk=3, page_size=page_size)
+  out, _ = rollout(graphdef, params, jnp.asarray(prompt, jnp.int32), jnp.asarray(valid), jax.random.key(1),
+                   max_new_tokens=9, eos_id=2, pad_id=0, sampling=sampling, group_size=2, slots=3 if engine ==
+                   "continuous" else 0, budget_B=jnp.array([9, 3, 9, 5, 9, 2]))
+  tokens = jnp.concatenate([jnp.asarray(prompt, jnp.int32), out.tokens_BxN], axis=1)
+  full_valid = jnp.concatenate([jnp.asarray(valid), out.mask_BxN], axis=1)
+  _, _, routings = nnx.merge(graphdef, params).forward(tokens, positions_from_valid(full_valid),
+                                                       causal_mask(full_valid))
+  trainer = np.asarray(moe.stacked_experts(routings, *tokens.shape))
+  fed = np.concatenate([valid, np.arange(9)[None, :] < np.asarray(out.lengths_B)[:, None] - 1], axis=1)
+  recorded = np.asarray(out.experts_BxTxLxK)
+  assert recorded.shape == trainer.shape == (6, 15, 2, 2) and recorded.dtype == np.int16
+  np.testing.assert_array_equal(recorded[fed], trainer[fed])
+  assert np.all(recorded[~fed] == -1) and fed[:, 6:].sum() > 10

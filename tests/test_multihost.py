@@ -87,7 +87,7 @@ def test_two_processes_train_like_one(tmp_path):
     # The single-process run over 4 devices goes on meanwhile, with its own base cache.
     Trainer(debug_config(str(single / "base"), **OVERRIDES), str(single / "run"), devices=jax.devices()[:4]).run()
   out0, out1 = (log.read_text() for log in logs)
-  assert "processes: 2; mesh {'data': 4, 'fsdp': 1, 'tensor': 1}" in out0
+  assert "processes: 2; mesh {'data': 4, 'fsdp': 1, 'expert': 1, 'tensor': 1}" in out0
   assert "step 1 |" in out0 and "step 1 |" not in out1  # Progress lines from process 0 only.
 
   # Every row once (process 1 writes nothing), with the single run's values.

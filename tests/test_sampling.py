@@ -30,8 +30,8 @@ class StepLog:
 class CountingModel(nnx.Module):
   """Deterministic fake: the next token is (current token + 1) mod V, with overwhelming confidence.
 
-  Each decode step (a `__call__`; the prefill uses `hidden`) is recorded in `log` when one is given; it ignores the
-  span and the decode backend it is handed.
+  Each decode step (a `step`; the prefill uses `forward`) is recorded in `log` when one is given; it ignores the
+  span and the decode backend it is handed. A dense model: no routing.
   """
 
   def __init__(self, log=None):
@@ -39,18 +39,18 @@ class CountingModel(nnx.Module):
     self.unused = nnx.Param(jnp.zeros(()))
     self.log = log
 
-  def hidden(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
-    return tokens_BxT, cache  # the "hidden state" is the token
+  def forward(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
+    return tokens_BxT, cache, ()  # the "hidden state" is the token
 
   def logits(self, hidden_BxT):
     return 50.0 * jax.nn.one_hot((hidden_BxT + 1) % V, V)
 
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None, decode_backend=None):
+  def step(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None, decode_backend=None):
     if self.log is not None:
       self.log.backends.add(decode_backend)
       size = cache.length
       jax.debug.callback(lambda slot: self.log.steps.append((int(slot), size)), cache_index)
-    return self.logits(tokens_BxT), cache
+    return self.logits(tokens_BxT), cache, None
 
 
 def _fake(log=None):

@@ -39,16 +39,28 @@ class Routing(NamedTuple):
 
 
 def route(logits_NxE, k: int, norm_topk_prob: bool, replay_NxK=None) -> Routing:
-  """Softmax over experts in float32, then the top k (or the `replay_NxK` experts, e.g. the sampler's).
+  """Softmax over experts in float32, then the top k, or for tokens whose `replay_NxK` row is recorded (no entry
+  < 0) those experts (routing replay: the sampler's choice).
 
   Replayed experts still take their weights from this router's probabilities, so the router gets gradients.
   """
   probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
-  experts_NxK = jax.lax.top_k(probs_NxE, k)[1] if replay_NxK is None else replay_NxK.astype(jnp.int32)
+  experts_NxK = jax.lax.top_k(probs_NxE, k)[1]
+  if replay_NxK is not None:
+    recorded_N = jnp.all(replay_NxK >= 0, axis=-1)
+    experts_NxK = jnp.where(recorded_N[:, None], replay_NxK.astype(jnp.int32), experts_NxK)
   weights_NxK = jnp.take_along_axis(probs_NxE, experts_NxK, axis=-1)
   if norm_topk_prob:
     weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
   return Routing(experts_NxK, weights_NxK, probs_NxE)
+
+
+def stacked_experts(routings: tuple[Routing, ...], batch: int, length: int):
+  """The experts each of `batch` x `length` tokens went to in each MoE layer: int16 (B, T, L, K), as the engines
+  record them for routing replay; None for a dense model (no routings)."""
+  if not routings:
+    return None
+  return jnp.stack([r.experts_NxK.reshape(batch, length, -1) for r in routings], axis=2).astype(jnp.int16)
 
 
 def grouped_swiglu(x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, first_expert=0):

@@ -6,7 +6,7 @@ from jaxrl_batch.model.config import ModelConfig
 from jaxrl_batch.model.kv_cache import KVCache
 from jaxrl_batch.model.layers import Attention, RMSNorm, SwiGLU, fan_in_normal, sharded_param
 from jaxrl_batch.model.linear import linear
-from jaxrl_batch.model.moe import MoE
+from jaxrl_batch.model.moe import MoE, stacked_experts
 
 
 class Block(nnx.Module):
@@ -84,8 +84,15 @@ class Transformer(nnx.Module):
     Returns:
       (logits_BxTxV float32, updated cache or None).
     """
-    x, cache = self.hidden(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index, decode_backend)
-    return self.logits(x), cache
+    logits_BxTxV, cache, _ = self.step(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index, decode_backend)
+    return logits_BxTxV, cache
+
+  def step(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None,
+           decode_backend: str | None = None):
+    """`__call__`'s (logits, cache) and the experts each token went to in each MoE layer, int16 (B, T, L, K)
+    (`moe.stacked_experts`; None for a dense model): what the engines record for routing replay."""
+    x, cache, routings = self.forward(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index, decode_backend)
+    return self.logits(x), cache, stacked_experts(routings, *tokens_BxT.shape)
 
   def logits(self, hidden_BxTxD):
     """The output head on final-normed hidden states: logits_BxTxV float32."""

@@ -43,6 +43,7 @@ class AlgoConfig:
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
   entropy_coef: float = 0.0
+  router_aux_loss_coef: float = 0.0
   temperature: float = 1.0
   critic: bool = False
   share_backbone: bool = False
@@ -123,6 +124,8 @@ class AlgoConfig:
     need(self.overlong_buffer >= 0 and self.overlong_penalty >= 0,
          "rl.overlong_buffer and rl.overlong_penalty must be >= 0.")
     need(self.entropy_coef >= 0, f"rl.entropy_coef={self.entropy_coef} must be >= 0 (a bonus; 0 = off).")
+    need(self.router_aux_loss_coef >= 0, f"rl.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (the "
+         "MoE load-balancing loss weight; 0 = off).")
     need(not (self.share_backbone and self.critic_layers),
          "critic.share_backbone puts the value head on the policy itself; critic.num_layers (a separate, "
          "smaller critic) must then be 0.")

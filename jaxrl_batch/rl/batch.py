@@ -23,6 +23,9 @@ class TrainBatch(NamedTuple):
   adv_BxT: float32 advantage of each token.
   returns_BxT: float32 value targets (PPO).
   old_values_BxT: float32 critic values before this step's updates (PPO; zeros without a critic).
+  experts_BxTxLxK: for a mixture-of-experts model, the int16 experts the sampler routed each token to in each of
+    the L MoE layers (-1 where it fed none: `sampling.Rollout.experts_BxTxLxK`): replayed when
+    `model.routing_replay`, compared with the trainer's routing for `router_mismatch_frac`. None otherwise.
   """
 
   tokens_BxT: jax.Array
@@ -34,6 +37,7 @@ class TrainBatch(NamedTuple):
   adv_BxT: jax.Array
   returns_BxT: jax.Array
   old_values_BxT: jax.Array
+  experts_BxTxLxK: jax.Array | None = None
 
 
 def split_micro_batches(tree, num_micro: int):

@@ -28,7 +28,8 @@ def reference_logprobs(ref_params, tokens_BxT, valid_BxT, loss_mask_BxT, *, grap
 
 @functools.partial(jax.jit, static_argnames=("cfg", "group_size"))
 def _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT, values_BxT,
-              rewards_B, kl_coef, *, cfg: AlgoConfig, group_size: int) -> tuple[TrainBatch, dict]:
+              rewards_B, kl_coef, experts_BxTxLxK=None, *, cfg: AlgoConfig, group_size: int
+              ) -> tuple[TrainBatch, dict]:
   """Advantages and returns, and the batch around them, in one program; stats: returns_mean, and
   logp_gap_mean / vf_explained_var when trainer log-probs / values exist."""
   num_tokens = jnp.sum(mask_BxT)
@@ -50,22 +51,22 @@ def _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_Bx
   zeros_BxT = jnp.zeros_like(old_logp_BxT)
   batch = TrainBatch(tokens_BxT, valid_BxT, mask_BxT, old_logp_BxT, sampler_logp_BxT,
                      zeros_BxT if ref_logp_BxT is None else ref_logp_BxT, adv_BxT, returns_BxT,
-                     zeros_BxT if values_BxT is None else values_BxT)
+                     zeros_BxT if values_BxT is None else values_BxT, experts_BxTxLxK)
   return batch, stats
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def _from_rollouts(rollouts, *, mesh):
-  """(tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, rewards_B) of a `train.collector.Rollouts`, with
-  T = prompt + response tokens."""
+  """(tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, rewards_B, experts_BxTxLxK or None) of a
+  `train.collector.Rollouts`, with T = prompt + response tokens."""
   r = rollouts
   tokens_BxT = jnp.concatenate([r.prompt_BxP, r.tokens_BxN], axis=1)
   valid_BxT = jnp.concatenate([r.prompt_valid_BxP.astype(bool), r.mask_BxN.astype(bool)], axis=1)
   loss_mask_BxT = jnp.concatenate([jnp.zeros(r.prompt_BxP.shape, bool), r.mask_BxN & r.trained_B[:, None]], axis=1)
   sampler_logp_BxT = jnp.concatenate([jnp.zeros(r.prompt_BxP.shape, jnp.float32), r.logprobs_BxN], axis=1)
   sampler_logp_BxT = jnp.where(loss_mask_BxT, sampler_logp_BxT, 0.0).astype(jnp.float32)
-  out = (tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, r.rewards_B.astype(jnp.float32))
-  return tuple(jax.lax.with_sharding_constraint(x, sharding.batch_sharding(mesh, x.ndim)) for x in out)
+  out = (tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, r.rewards_B.astype(jnp.float32), r.experts_BxTxLxK)
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding.batch_sharding(mesh, x.ndim)), out)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
@@ -77,10 +78,12 @@ def _take_rows(batch: TrainBatch, rows_S, *, mesh) -> TrainBatch:
 
 @jax.jit
 def _mean_over_updates(history: list[dict]) -> dict:
-  """Each metric's mean over the step's updates; `logp_gap` from the first (before any update of this step)."""
+  """Each metric's mean over the step's updates; `logp_gap` and `router_mismatch_frac` from the first (before any
+  update of this step: the sampler's weights)."""
   out = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[0]}
-  if "logp_gap" in out:
-    out["logp_gap"] = history[0]["logp_gap"]
+  for first in ("logp_gap", "router_mismatch_frac"):
+    if first in out:
+      out[first] = history[0][first]
   return out
 
 
@@ -107,15 +110,15 @@ class Learner:
     """The training batch (sharded) and per-step statistics on the device (returns_mean, vf_explained_var, old-logp
     gap). `rollouts`: a `train.collector.Rollouts`; kl_coef: float32 device scalar."""
     cfg = self.cfg
-    tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B = _from_rollouts(rollouts, mesh=self.mesh)
+    tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B, experts = _from_rollouts(rollouts, mesh=self.mesh)
     trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), tokens_BxT, valid_BxT, mask_BxT,
-                                         models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer")
+                                         experts, models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer")
     ref_logp_BxT = None
     if cfg.use_kl:
       ref_logp_BxT = reference_logprobs(ref_params, tokens_BxT, valid_BxT, mask_BxT, graphdef=self.models.graphdef,
                                          temperature=cfg.temperature)
     return _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT, values_BxT,
-                     rewards_B, kl_coef, cfg=cfg, group_size=self.group_size)
+                     rewards_B, kl_coef, experts, cfg=cfg, group_size=self.group_size)
 
   def train(self, state: dict, batch: TrainBatch, orders: list[jax.Array], step: int, kl_coef
             ) -> tuple[dict, dict]:

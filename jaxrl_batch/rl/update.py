@@ -5,6 +5,11 @@ The loss of a mini-batch is
 with w from `losses.token_weights` (the configured aggregation, counts taken over the whole mini-batch), pg the
 clipped surrogate, tis the truncated importance weight min(pi_trainer / pi_sampler, cap) and vl the clipped value
 loss (PPO). Logged scalars use token-mean weights, whatever the aggregation.
+
+A mixture-of-experts policy replays the sampler's routing (`TrainBatch.experts_BxTxLxK`) when
+`model.routing_replay`, adds rl.router_aux_loss_coef x the load-balancing loss when > 0, and logs
+`expert_load_cv`, `router_aux_loss` and, where the sampler recorded its routing, `router_mismatch_frac`
+(`rl.routing`).
 """
 import functools
 from typing import NamedTuple
@@ -17,6 +22,7 @@ from flax import nnx
 from jaxrl_batch.model import causal_mask, positions_from_valid
 from jaxrl_batch.rl import critic as critic_lib
 from jaxrl_batch.rl import losses
+from jaxrl_batch.rl import routing as routing_lib
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch, shifted_logprobs, split_micro_batches
 
@@ -34,13 +40,18 @@ class Weights(NamedTuple):
   token_BxT: jax.Array  # Token mean, for logged scalars.
 
 
-def forward(policy, critic, tokens_BxT, valid_BxT, models: Models, cfg: AlgoConfig, need_policy: bool = True):
-  """(logp_BxT, logits_BxTxV or None, values_BxT or None) at temperature cfg.temperature, all aligned per token."""
+def forward(policy, critic, tokens_BxT, valid_BxT, models: Models, cfg: AlgoConfig, need_policy: bool = True,
+            experts_BxTxLxK=None):
+  """(logp_BxT, logits_BxTxV or None, values_BxT or None, routings) at temperature cfg.temperature, all aligned per
+  token; routings: the policy's `moe.Routing` per MoE layer (empty for a dense policy or without its forward),
+  replaying `experts_BxTxLxK` (the sampler's; None = none recorded) when the model's routing_replay is on."""
   positions_BxT, mask_BxTxS = positions_from_valid(valid_BxT), causal_mask(valid_BxT)
   logp_BxT = logits_BxTxV = values_BxT = None
+  routings = ()
   if need_policy or (cfg.critic and cfg.share_backbone):
     model = nnx.merge(models.graphdef, policy)
-    hidden_BxTxD, _ = model.hidden(tokens_BxT, positions_BxT, mask_BxTxS)
+    replay = experts_BxTxLxK if model.cfg.routing_replay else None
+    hidden_BxTxD, _, routings = model.forward(tokens_BxT, positions_BxT, mask_BxTxS, replay_BxTxLxK=replay)
     if need_policy:
       logits_BxTxV = model.logits(hidden_BxTxD) / cfg.temperature
       logp_BxT = shifted_logprobs(logits_BxTxV, tokens_BxT)
@@ -48,16 +59,38 @@ def forward(policy, critic, tokens_BxT, valid_BxT, models: Models, cfg: AlgoConf
       values_BxT = critic_lib.shared_values(models.critic_graphdef, critic, hidden_BxTxD)
   if cfg.critic and not cfg.share_backbone:
     values_BxT = critic_lib.separate_values(models.critic_graphdef, critic, tokens_BxT, valid_BxT)
-  return logp_BxT, logits_BxTxV, values_BxT
+  return logp_BxT, logits_BxTxV, values_BxT, routings
+
+
+def _router_terms(routings, micro: TrainBatch, num_micro: int) -> dict:
+  """The micro-batch's router sums (`rl.routing`): expert loads, mismatched and recorded decisions, and its
+  load-balancing loss / num_micro (so the micro-batches sum to their mean)."""
+  terms = dict(expert_load=routing_lib.expert_load(routings, micro.valid_BxT),
+               router_aux_loss=routing_lib.load_balancing_loss(routings, micro.valid_BxT) / num_micro)
+  if micro.experts_BxTxLxK is not None:
+    terms["router_mismatched"], terms["router_recorded"] = routing_lib.mismatched(routings, micro.valid_BxT,
+                                                                                 micro.experts_BxTxLxK)
+  return terms
+
+
+def _router_metrics(aux: dict) -> dict:
+  """Replaces the summed router terms by the logged scalars expert_load_cv and router_mismatch_frac."""
+  aux = dict(aux)
+  if "expert_load" in aux:
+    aux["expert_load_cv"] = routing_lib.expert_load_cv(aux.pop("expert_load"))
+  if "router_recorded" in aux:
+    aux["router_mismatch_frac"] = aux.pop("router_mismatched") / jnp.maximum(aux.pop("router_recorded"), 1.0)
+  return aux
 
 
 def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models: Models, cfg: AlgoConfig,
-                train_actor: bool):
+                train_actor: bool, num_micro: int = 1):
   policy, critic = trainable
   if not train_actor:
     policy = jax.lax.stop_gradient(policy)
-  logp_BxT, logits_BxTxV, values_BxT = forward(policy, critic, micro.tokens_BxT, micro.valid_BxT, models, cfg,
-                                               need_policy=train_actor)
+  logp_BxT, logits_BxTxV, values_BxT, routings = forward(policy, critic, micro.tokens_BxT, micro.valid_BxT, models,
+                                                         cfg, need_policy=train_actor,
+                                                         experts_BxTxLxK=micro.experts_BxTxLxK)
   mask_BxT = micro.loss_mask_BxT
   w, tw = weights.loss_BxT, weights.token_BxT
   zero = jnp.zeros((), jnp.float32)
@@ -83,6 +116,11 @@ def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models:
                clip_frac_low=losses.weighted_sum(low_BxT, tw), clip_frac_high=losses.weighted_sum(high_BxT, tw),
                ratio_mean=losses.weighted_sum(jnp.exp(jax.lax.stop_gradient(log_ratio_BxT)), tw),
                logp_gap=losses.weighted_sum(jnp.abs(sg_logp_BxT - micro.sampler_logp_BxT), tw))
+    if routings:
+      aux.update(_router_terms(routings, micro, num_micro))
+      if cfg.router_aux_loss_coef > 0:
+        loss = loss + cfg.router_aux_loss_coef * aux["router_aux_loss"]
+      aux["router_aux_loss"] = jax.lax.stop_gradient(aux["router_aux_loss"])
   if cfg.critic:
     vl_BxT = losses.value_loss(values_BxT, micro.old_values_BxT, micro.returns_BxT, cfg.vf_clip)
     aux["value_loss"] = losses.weighted_sum(vl_BxT, w)
@@ -110,7 +148,7 @@ def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: Algo
 
   def micro_grads(micro_and_weights):
     micro, micro_weights = micro_and_weights
-    (loss, aux), grads = grad_fn(trainable, micro, micro_weights, kl_coef, models, cfg, train_actor)
+    (loss, aux), grads = grad_fn(trainable, micro, micro_weights, kl_coef, models, cfg, train_actor, num_micro)
     # Each micro gradient is normalised by the whole mini-batch; x num_micro makes it (about) its own mean.
     return (loss, aux, grads), optax.tree.norm(grads[0], squared=True) * num_micro**2
 
@@ -122,7 +160,7 @@ def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: Algo
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   ((loss, aux, (policy_grads, critic_grads)), micro_sq_sum), _ = jax.lax.scan(accumulate, zeros, micro_batches)
   state = dict(state)
-  metrics = dict(aux, loss=loss, num_tokens=jnp.sum(batch.loss_mask_BxT))
+  metrics = dict(_router_metrics(aux), loss=loss, num_tokens=jnp.sum(batch.loss_mask_BxT))
   if train_actor:
     updates, state["opt_state"] = models.actor_tx.update(policy_grads, state["opt_state"], state["params"])
     state["params"] = optax.apply_updates(state["params"], updates)
@@ -137,10 +175,11 @@ def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: Algo
 
 
 @functools.partial(jax.jit, static_argnames=("models", "cfg", "need_policy"))
-def score(policy, critic, tokens_BxT, valid_BxT, loss_mask_BxT, *, models: Models, cfg: AlgoConfig,
-          need_policy: bool = True):
+def score(policy, critic, tokens_BxT, valid_BxT, loss_mask_BxT, experts_BxTxLxK=None, *, models: Models,
+          cfg: AlgoConfig, need_policy: bool = True):
   """(logp_BxT or None, values_BxT or None) without gradients, 0 off the loss mask: the trainer's old log-probs
-  and the critic's old values (before this step's updates)."""
-  logp_BxT, _, values_BxT = forward(policy, critic, tokens_BxT, valid_BxT, models, cfg, need_policy)
+  and the critic's old values (before this step's updates), replaying the sampler's routing as `forward`."""
+  logp_BxT, _, values_BxT, _ = forward(policy, critic, tokens_BxT, valid_BxT, models, cfg, need_policy,
+                                       experts_BxTxLxK)
   masked = lambda x: None if x is None else jnp.where(loss_mask_BxT, x, 0.0)
   return masked(logp_BxT), masked(values_BxT)

@@ -44,21 +44,24 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_batch.model import DecodeSpan, KVCache, PagedKVCache, cache_mask, positions_from_valid
+from jaxrl_batch.model.moe import stacked_experts
 from jaxrl_batch.runtime import transfer
-from jaxrl_batch.sampling.generate import Rollout, cache_buckets
+from jaxrl_batch.sampling.generate import Rollout, cache_buckets, recorded_experts
 from jaxrl_batch.sampling.pages import PageTable
 from jaxrl_batch.sampling.strategies import SamplingParams, choose
 
 
 class _Prefix(NamedTuple):
   """The Q distinct prompts, prefilled: cache (Q rows of P slots; None once copied into a paged cache's prompt
-  pages), logits_QxV float32 of each prompt's last position, length_Q its real tokens, and the prompts themselves
-  (prompt_QxP, valid_QxP) for re-prefills."""
+  pages), logits_QxV float32 of each prompt's last position, length_Q its real tokens, the prompts themselves
+  (prompt_QxP, valid_QxP) for re-prefills, and for an MoE model the experts of every prompt token, int16
+  experts_QxPxLxK (`model.step`; None for a dense model)."""
   cache: KVCache | None
   logits_QxV: jax.Array
   length_Q: jax.Array
   prompt_QxP: jax.Array
   valid_QxP: jax.Array
+  experts_QxPxLxK: jax.Array | None = None
 
 
 class Requests(NamedTuple):
@@ -87,11 +90,13 @@ class _Slots(NamedTuple):
 
 class Outputs(NamedTuple):
   """Per request: tokens_RxN and logprobs_RxN as chosen (stale beyond the length), lengths_R, eos_R (ended by
-  EOS)."""
+  EOS), and for an MoE model experts_RxNxLxK, the int16 experts of each token this call fed (-1 for the others,
+  e.g. the tokens of a carried sequence, re-prefilled; None for a dense model)."""
   tokens_RxN: jax.Array
   logprobs_RxN: jax.Array
   lengths_R: jax.Array
   eos_R: jax.Array
+  experts_RxNxLxK: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +132,10 @@ def _prefill(graphdef, params, prompt_QxP, valid_QxP) -> _Prefix:
   q, p = prompt_QxP.shape
   valid_QxP = valid_QxP.astype(bool)
   cache = KVCache.zeros(model.cfg, q, p)
-  hidden_QxPxD, cache = model.hidden(prompt_QxP, positions_from_valid(valid_QxP), cache_mask(valid_QxP, 0, p),
-                                     cache, 0)
+  hidden_QxPxD, cache, routings = model.forward(prompt_QxP, positions_from_valid(valid_QxP),
+                                                cache_mask(valid_QxP, 0, p), cache, 0)
   return _Prefix(cache, model.logits(hidden_QxPxD[:, -1:])[:, 0], valid_QxP.sum(axis=1).astype(jnp.int32),
-                 prompt_QxP, valid_QxP)
+                 prompt_QxP, valid_QxP, stacked_experts(routings, q, p))
 
 
 def _pool(prefix_cache: KVCache, pages: int, page_size: int, slots: int) -> PagedKVCache:
@@ -166,22 +171,26 @@ def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int, page
     cache = KVCache(tuple(jnp.zeros((s, *k.shape[1:3], length), k.dtype) for k in like.k_layers),
                     tuple(jnp.zeros((s, v.shape[1], length, v.shape[3]), v.dtype) for v in like.v_layers))
   state = _Slots(cache, jnp.full((s,), r, jnp.int32), zeros_S, zeros_S, zeros_S, zeros_S, jnp.zeros((s,), bool))
+  experts = prefix.experts_QxPxLxK
   outputs = Outputs(jnp.copy(requests.tokens_RxN), jnp.copy(requests.logprobs_RxN), jnp.copy(requests.lengths_R),
-                    jnp.zeros_like(requests.lengths_R, bool))
+                    jnp.zeros_like(requests.lengths_R, bool),
+                    None if experts is None else jnp.full((*requests.tokens_RxN.shape, *experts.shape[2:]), -1,
+                                                          jnp.int16))
   return state, outputs
 
 
 @functools.lru_cache(maxsize=None)
-def _starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0, page_size: int = 0):
-  """`_start` jitted for a model of `layers` layers, its outputs' leading axes laid out by `row_sharding` (if
-  given; a paged cache lives on one device and takes none)."""
+def _starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0, page_size: int = 0,
+             moe: bool = False):
+  """`_start` jitted for a model of `layers` layers (`moe`: with MoE layers), its outputs' leading axes laid out
+  by `row_sharding` (if given; a paged cache lives on one device and takes none)."""
   start = functools.partial(_start, slots=slots, length=length, pages=pages, page_size=page_size)
   if row_sharding is None or page_size:
     return jax.jit(start)
   cache = KVCache(*(tuple(row_sharding(4) for _ in range(layers)),) * 2)
   state = _Slots(cache, *(row_sharding(1),) * 6)
   return jax.jit(start, out_shardings=(state, Outputs(row_sharding(2), row_sharding(2), row_sharding(1),
-                                                      row_sharding(1))))
+                                                      row_sharding(1), row_sharding(4) if moe else None)))
 
 
 def _new_requests(budget_B, batch: int, group_size: int, max_new_tokens: int, pad_id: int) -> Requests:
@@ -257,7 +266,7 @@ def _admit(state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests,
   outputs = Outputs(outputs.tokens_RxN.at[written_S, 0].set(token_S, mode="drop"),
                     outputs.logprobs_RxN.at[written_S, 0].set(logp_S, mode="drop"),
                     outputs.lengths_R.at[written_S].set(1, mode="drop"),
-                    outputs.eos_R.at[written_S].set(token_S == eos_id, mode="drop"))
+                    outputs.eos_R.at[written_S].set(token_S == eos_id, mode="drop"), outputs.experts_RxNxLxK)
   length_S = prefix.length_Q[prompt_S]
   state = _Slots(cache, jnp.where(admitted_S, admit_S, state.request_S), jnp.where(admitted_S, token_S, state.token_S),
                  jnp.where(admitted_S, 1, state.count_S), jnp.where(admitted_S, length_S, state.position_S),
@@ -323,8 +332,8 @@ def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, r
     i, decoded, c, out = carry
     slot_S = jnp.where(c.live_S, p + c.count_S - 1, c.cache.idle_slot)  # a finished or free slot writes harmlessly
     span = DecodeSpan(c.start_S, jnp.where(c.live_S, slot_S + 1, 0))  # and reads nothing
-    logits_Sx1xV, cache = model(c.token_S[:, None], c.position_S[:, None], span, c.cache, slot_S,
-                                decode_backend=sampling.backend)
+    logits_Sx1xV, cache, experts_Sx1xLxK = model.step(c.token_S[:, None], c.position_S[:, None], span, c.cache,
+                                                      slot_S, decode_backend=sampling.backend)
     request_S = jnp.minimum(c.request_S, r - 1)
     token_S, logp_S = choose(logits_Sx1xV[:, 0], _row_keys(key, requests.uid_R[request_S], c.count_S), sampling)
     written_S = jnp.where(c.live_S, c.request_S, r)
@@ -333,7 +342,9 @@ def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, r
     out = Outputs(out.tokens_RxN.at[written_S, c.count_S].set(token_S, mode="drop"),
                   out.logprobs_RxN.at[written_S, c.count_S].set(logp_S, mode="drop"),
                   out.lengths_R.at[written_S].set(count_S, mode="drop"),
-                  out.eos_R.at[written_S].set(token_S == eos_id, mode="drop"))
+                  out.eos_R.at[written_S].set(token_S == eos_id, mode="drop"),
+                  None if experts_Sx1xLxK is None else
+                  out.experts_RxNxLxK.at[written_S, c.count_S - 1].set(experts_Sx1xLxK[:, 0], mode="drop"))
     decoded = decoded + c.live_S.sum(dtype=jnp.int32)
     c = _Slots(cache, c.request_S, token_S, count_S, c.position_S + c.live_S, c.start_S, c.live_S & ~ended_S)
     return i + 1, decoded, c, out
@@ -345,22 +356,28 @@ def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, r
 
 
 @functools.partial(jax.jit, static_argnames=("pad_id",))
-def to_rollout(outputs: Outputs, *, pad_id: int) -> Rollout:
-  """The outputs as a right-padded `Rollout` (truncated: no EOS)."""
+def to_rollout(outputs: Outputs, prompt_experts_RxPxLxK=None, prompt_valid_RxP=None, *, pad_id: int) -> Rollout:
+  """The outputs as a right-padded `Rollout` (truncated: no EOS); for an MoE model, with the experts of each
+  request's prompt tokens (int16 (R, P, L, K)) and its prompt mask, the rollout's `experts_BxTxLxK`."""
   mask_RxN = jnp.arange(outputs.tokens_RxN.shape[1])[None, :] < outputs.lengths_R[:, None]
+  experts = None
+  if outputs.experts_RxNxLxK is not None:
+    experts = recorded_experts(prompt_experts_RxPxLxK, prompt_valid_RxP, outputs.experts_RxNxLxK, outputs.lengths_R)
   return Rollout(jnp.where(mask_RxN, outputs.tokens_RxN, pad_id), jnp.where(mask_RxN, outputs.logprobs_RxN, 0.0),
-                 mask_RxN, outputs.lengths_R, ~outputs.eos_R)
+                 mask_RxN, outputs.lengths_R, ~outputs.eos_R, experts)
 
 
 @dataclasses.dataclass
 class Decoded:
   """What `decode` leaves: the outputs (device) and, on the host, which requests ended (`ended_R`, by EOS or
   budget), how many tokens each request in flight at the stop holds (`held_R`: 0 for the others; an ended
-  request's length is in the outputs) and the figures."""
+  request's length is in the outputs) and the figures; for an MoE model, the experts of the Q prompts' tokens
+  (device int16 (Q, P', L, K), P' >= P: a paged cache pads prompts on the left; None for a dense model)."""
   outputs: Outputs
   ended_R: np.ndarray
   held_R: np.ndarray
   stats: EngineStats
+  prompt_experts_QxPxLxK: jax.Array | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("pad",))
@@ -398,7 +415,7 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
     prompt_QxP, prompt_valid_QxP = _left_padded(prompt_QxP, prompt_valid_QxP, pad=-prompt_QxP.shape[1] % c)
   p = prompt_QxP.shape[1]
   prefix = _prefill(graphdef, params, prompt_QxP, prompt_valid_QxP)
-  layers = len(prefix.cache.k_layers)
+  layers, moe = len(prefix.cache.k_layers), prefix.experts_QxPxLxK is not None
   if c:
     own_full = -(-(n - 1) // c)  # own pages of a sequence at the longest length
     pool = sampling.pages or s * own_full
@@ -406,11 +423,11 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
       raise ValueError(f"sampling.pages={pool} cannot hold one sequence: {n - 1} tokens take {own_full} pages of "
                        f"{c} slots. Raise sampling.pages to at least {own_full}.")
     pages = PageTable(slots=s, first=prompt_QxP.shape[0] * (p // c), pages=pool, page_size=c)
-    state, outputs = _starter(s, 0, layers, None, pool, c)(prefix, requests)
+    state, outputs = _starter(s, 0, layers, None, pool, c, moe)(prefix, requests)
     prefix = prefix._replace(cache=None)
   else:
     buckets = cache_buckets(p, n, sampling.backend)
-    state, outputs = _starter(s, buckets[0], layers, row_sharding)(prefix, requests)
+    state, outputs = _starter(s, buckets[0], layers, row_sharding, moe=moe)(prefix, requests)
   queue = collections.deque(sorted(order, key=lambda i: held_R[i] == 0))  # the carried first, in order
   request_S, count_S, live_S = np.full(s, -1, np.int64), np.zeros(s, np.int64), np.zeros(s, bool)
   started_S = np.zeros(s, np.int64)  # when each slot's sequence started (preemption takes the latest)
@@ -484,7 +501,7 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
     held[i] = held_R[i]
   return Decoded(outputs, ended_R, held, EngineStats(chunks=chunks, slot_steps=slot_steps, decoded=decoded,
                                                      reprefill_s=reprefill_s, preempted=preempted,
-                                                     pages_peak=pages_peak))
+                                                     pages_peak=pages_peak), prefix.experts_QxPxLxK)
 
 
 def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
@@ -507,4 +524,13 @@ def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, 
                           row_sharding=row_sharding)
   out = decode(graphdef, params, prompt_BxP[::g], prompt_valid_BxP[::g], requests, np.zeros(b, np.int64), range(b),
                rng, eos_id=eos_id, sampling=sampling, slots=slots or b, row_sharding=row_sharding)
-  return to_rollout(out.outputs, pad_id=pad_id), out.stats
+  prompt_experts = out.prompt_experts_QxPxLxK
+  if prompt_experts is not None:  # request r's prompt is r // g; a paged cache's padding is on the left
+    prompt_experts = _request_prompt_experts(prompt_experts, p=prompt_BxP.shape[1], group_size=g)
+  return to_rollout(out.outputs, prompt_experts, prompt_valid_BxP, pad_id=pad_id), out.stats
+
+
+@functools.partial(jax.jit, static_argnames=("p", "group_size"))
+def _request_prompt_experts(experts_QxPxLxK, *, p: int, group_size: int):
+  """The experts of each request's prompt tokens, (Q x group_size, p, L, K), from the prefix's."""
+  return jnp.repeat(experts_QxPxLxK[:, -p:], group_size, axis=0)

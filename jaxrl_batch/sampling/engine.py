@@ -52,5 +52,5 @@ def rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_toke
                     jax.random.fold_in(rng, i // block),
                     budget_B=None if budget_B is None else budget_B[i:i + block], **kwargs)
            for i in range(0, b, block)]
-  return Rollout(*(jnp.concatenate(xs) for xs in zip(*parts))), None
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts), None
 

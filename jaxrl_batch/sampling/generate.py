@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_batch.model import DecodeSpan, KVCache, cache_mask, positions_from_valid
+from jaxrl_batch.model.moe import stacked_experts
 from jaxrl_batch.sampling.strategies import SamplingParams, choose
 
 
@@ -40,6 +41,10 @@ class Rollout(NamedTuple):
   mask_BxN: True for generated tokens up to and including EOS.
   lengths_B: number of True entries per row.
   truncated_B: True where no EOS was produced within the token budget.
+  experts_BxTxLxK: for a mixture-of-experts model, int16 experts each token fed to the model went to in each of
+    its L MoE layers (`model.step`), T = P + N: the prompt's positions, then the response's; -1 where nothing was
+    fed (padding, and each response's last token). Routing replay and `router_mismatch_frac` read it. None for a
+    dense model.
   """
 
   tokens_BxN: jax.Array
@@ -47,6 +52,18 @@ class Rollout(NamedTuple):
   mask_BxN: jax.Array
   lengths_B: jax.Array
   truncated_B: jax.Array
+  experts_BxTxLxK: jax.Array | None = None
+
+
+def recorded_experts(prompt_experts_BxPxLxK, prompt_valid_BxP, experts_BxNxLxK, lengths_B):
+  """`Rollout.experts_BxTxLxK` from the prefill's and the decode steps' records (None for a dense model): -1 at
+  padding and at response index >= length - 1 (never fed)."""
+  if prompt_experts_BxPxLxK is None:
+    return None
+  fed_BxN = jnp.arange(experts_BxNxLxK.shape[1])[None, :] < lengths_B[:, None] - 1
+  fed_BxT = jnp.concatenate([prompt_valid_BxP.astype(bool), fed_BxN], axis=1)
+  experts_BxTxLxK = jnp.concatenate([prompt_experts_BxPxLxK, experts_BxNxLxK], axis=1)
+  return jnp.where(fed_BxT[:, :, None, None], experts_BxTxLxK, jnp.int16(-1))
 
 
 class _Carry(NamedTuple):
@@ -57,6 +74,7 @@ class _Carry(NamedTuple):
   done_B: jax.Array
   tokens_BxN: jax.Array
   logprobs_BxN: jax.Array
+  experts_BxNxLxK: jax.Array | None  # experts of each response token fed (MoE models)
   rng: jax.Array
 
 
@@ -97,9 +115,11 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
   valid_GxP = prompt_valid_BxP[::g].astype(bool)
   kv_valid_GxS = jnp.pad(valid_GxP, ((0, 0), (0, buckets[0] - p)))
   cache = KVCache.zeros(model.cfg, b // g, buckets[0])
-  hidden_GxPxD, cache = model.hidden(prompt_BxP[::g], positions_from_valid(valid_GxP), cache_mask(kv_valid_GxS, 0, p),
-                                     cache, 0)
+  hidden_GxPxD, cache, routings = model.forward(prompt_BxP[::g], positions_from_valid(valid_GxP),
+                                                cache_mask(kv_valid_GxS, 0, p), cache, 0)
   logits_GxV = model.logits(hidden_GxPxD[:, -1:])[:, 0]
+  prompt_experts = stacked_experts(routings, b // g, p)
+  prompt_experts = None if prompt_experts is None else jnp.repeat(prompt_experts, g, axis=0)
   cache = cache.repeat_rows(g)
   logits_BxV = jnp.repeat(logits_GxV, g, axis=0)
 
@@ -115,13 +135,15 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
       done_B=(token_B == eos_id) | (budget_B <= 1),
       tokens_BxN=jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token_B),
       logprobs_BxN=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp_B),
+      experts_BxNxLxK=None if prompt_experts is None else jnp.full((b, n, *prompt_experts.shape[2:]), -1,
+                                                                   jnp.int16),
       rng=rng)
 
   def body(c: _Carry):
     slot = p + c.step - 1  # cache slot of the previous token, fed now
     span = DecodeSpan(starts_B, jnp.full((b,), slot + 1))
-    logits_Bx1xV, cache = model(c.token_B[:, None], c.position_B[:, None], span, c.cache, slot,
-                                decode_backend=backend)
+    logits_Bx1xV, cache, experts_Bx1xLxK = model.step(c.token_B[:, None], c.position_B[:, None], span, c.cache,
+                                                      slot, decode_backend=backend)
     rng, step_rng = jax.random.split(c.rng)
     token_B, logp_B = choose(logits_Bx1xV[:, 0], step_rng, sampling)
     token_B = jnp.where(c.done_B, pad_id, token_B)
@@ -134,10 +156,12 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
         done_B=c.done_B | (token_B == eos_id) | (c.step + 1 >= budget_B),
         tokens_BxN=jax.lax.dynamic_update_slice(c.tokens_BxN, token_B[:, None], (0, c.step)),
         logprobs_BxN=jax.lax.dynamic_update_slice(c.logprobs_BxN, logp_B[:, None], (0, c.step)),
+        experts_BxNxLxK=None if experts_Bx1xLxK is None else jax.lax.dynamic_update_slice(
+            c.experts_BxNxLxK, experts_Bx1xLxK, (0, c.step - 1, 0, 0)),
         rng=rng)
 
   def result(c: _Carry):
-    return c.step, c.tokens_BxN, c.logprobs_BxN
+    return c.step, c.tokens_BxN, c.logprobs_BxN, c.experts_BxNxLxK
 
   def decode(i: int, c: _Carry):
     """Segment i (steps whose slot fits buckets[i]), then, unless every row has stopped, the later segments."""
@@ -149,14 +173,16 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
     return jax.lax.cond(jnp.all(c.done_B), result,
                         lambda c: decode(i + 1, c._replace(cache=c.cache.resized(buckets[i + 1]))), c)
 
-  steps, tokens_BxN, logprobs_BxN = decode(0, carry)
+  steps, tokens_BxN, logprobs_BxN, experts_BxNxLxK = decode(0, carry)
   is_eos_BxN = tokens_BxN == eos_id
   eos_before_BxN = jnp.cumsum(is_eos_BxN, axis=1) - is_eos_BxN
   written_BxN = jnp.arange(n)[None, :] < jnp.minimum(steps, budget_B[:, None])
   mask_BxN = (eos_before_BxN == 0) & written_BxN
+  lengths_B = mask_BxN.sum(axis=1).astype(jnp.int32)
   return Rollout(
       tokens_BxN=jnp.where(mask_BxN, tokens_BxN, pad_id),
       logprobs_BxN=jnp.where(mask_BxN, logprobs_BxN, 0.0),
       mask_BxN=mask_BxN,
-      lengths_B=mask_BxN.sum(axis=1).astype(jnp.int32),
-      truncated_B=~jnp.any(is_eos_BxN & mask_BxN, axis=1))
+      lengths_B=lengths_B,
+      truncated_B=~jnp.any(is_eos_BxN & mask_BxN, axis=1),
+      experts_BxTxLxK=recorded_experts(prompt_experts, prompt_valid_BxP, experts_BxNxLxK, lengths_B))

@@ -27,7 +27,9 @@ class Rollouts(NamedTuple):
   """A step's scored rollouts, on the device (batch-sharded), B = rows trained this step.
 
   prompt_BxP / prompt_valid_BxP: left-padded prompts; tokens_BxN, logprobs_BxN, mask_BxN: the sampler's output;
-  rewards_B: float32 task rewards after any overlong penalty; trained_B: bool, rows whose tokens enter the loss.
+  rewards_B: float32 task rewards after any overlong penalty; trained_B: bool, rows whose tokens enter the loss;
+  experts_BxTxLxK: the sampler's routing of a mixture-of-experts model (`sampling.Rollout.experts_BxTxLxK`), None
+  for a dense model or where it is not recorded (partial rollouts).
   """
   prompt_BxP: jax.Array
   prompt_valid_BxP: jax.Array
@@ -36,6 +38,7 @@ class Rollouts(NamedTuple):
   mask_BxN: jax.Array
   rewards_B: jax.Array
   trained_B: jax.Array
+  experts_BxTxLxK: jax.Array | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
@@ -131,7 +134,7 @@ class Collector:
     rewards_B, errors, first = safe_rewards(exp.task, completions, [p for p in problems for _ in range(g)])
     if errors:
       logging.warning("Step %d: the reward function raised on %d samples (scored 0); first: %s", step, errors, first)
-    device = (prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN)
+    device = (prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN, out.experts_BxTxLxK)
     return dict(device=device, task_rewards_B=rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
                 errors=errors, rollout_s=t1 - t0, reward_s=time.time() - t1, engine=engine_stats)
 
@@ -180,7 +183,7 @@ class Collector:
     else:
       with jax.set_mesh(mesh):
         selected = _select([out["device"] for out in rounds], device_rows_B)
-    rollouts = Rollouts(*selected, device_rewards_B, device_trained_B)
+    rollouts = Rollouts(*selected[:5], device_rewards_B, device_trained_B, selected[5])
     every = {k: np.concatenate([out[k] for out in rounds]) for k in ("task_rewards_B", "lengths_B", "truncated_B")}
     stats = dict(rollout_s=sum(out["rollout_s"] for out in rounds), reward_s=sum(out["reward_s"] for out in rounds),
                  samples_generated=len(every["task_rewards_B"]),

@@ -145,7 +145,7 @@ class PartialCollector(Collector):
     out = continuous.decode(graphdef, params, device[0], device[1], requests, held_R, range(len(reqs)),
                             _sampling_key(device[8]), eos_id=exp.stop_id, sampling=exp.sampling, slots=self.slots,
                             stop=stop, row_sharding=self._row_sharding)
-    tokens_RxN, logps_RxN, lengths_R, eos_R = transfer.to_host("tokens", tuple(out.outputs))
+    tokens_RxN, logps_RxN, lengths_R, eos_R = transfer.to_host("tokens", tuple(out.outputs)[:4])
     ended, carried = [], []
     for i, req in enumerate(reqs):
       held = int(out.held_R[i])

@@ -1,0 +1,121 @@
+"""The trainer's MoE routing figures against hand-computed values, and routing replay inside the RL update."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_batch.model import ModelConfig, Transformer, moe
+from jaxrl_batch.model.masks import causal_mask, positions_from_valid
+from jaxrl_batch.rl import routing
+from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.rl.batch import TrainBatch
+from jaxrl_batch.rl.update import Models, score, update
+from jaxrl_batch.runtime import sharding
+
+
+def _routing(experts, probs):
+  experts, probs = jnp.asarray(experts, jnp.int32), jnp.asarray(probs, jnp.float32)
+  return moe.Routing(experts, jnp.take_along_axis(probs, experts, axis=-1), probs)
+
+
+def test_load_cv_mismatch_and_balancing_loss_by_hand():
+  # 1 x 4 tokens (the last is padding), E = 4, k = 2.
+  valid = jnp.array([[True, True, True, False]])
+  uniform = np.full((4, 4), 0.25)
+  r = _routing([[0, 1], [0, 2], [0, 1], [3, 2]], uniform)
+  load = routing.expert_load([r], valid)
+  np.testing.assert_array_equal(load, [[3, 2, 1, 0]])  # the padding token's experts are not counted
+  np.testing.assert_allclose(routing.expert_load_cv(load), np.std([3, 2, 1, 0]) / 1.5, rtol=1e-6)
+  np.testing.assert_allclose(routing.expert_load_cv(jnp.array([[2.0, 2, 2, 2]])), 0.0)
+  # E x sum_e f_e P_e with f = load / 3 tokens and P = 1/4: 4 x (6/3) x 1/4 = 2 = k.
+  np.testing.assert_allclose(routing.load_balancing_loss([r], valid), 2.0, rtol=1e-6)
+  skewed = np.array([[0.7, 0.1, 0.1, 0.1]] * 4)
+  r2 = _routing([[0, 1], [0, 2], [0, 3], [0, 1]], skewed)
+  f = np.array([3, 1, 1, 1]) / 3
+  np.testing.assert_allclose(routing.load_balancing_loss([r, r2], valid), (2.0 + 4 * f @ skewed[0]) / 2, rtol=1e-6)
+
+  # Mismatch compares sets of the trainer's own top-k (from its probabilities) with the recorded ones.
+  probs = np.array([[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4], [0.4, 0.1, 0.4, 0.1], [0.25] * 4])
+  own = _routing([[0, 1], [3, 2], [0, 2], [0, 1]], probs)
+  recorded = jnp.array([[[1, 0], [3, 1], [-1, -1], [0, 1]]], jnp.int16)[:, :, None]  # (1, 4, L=1, 2)
+  differ, counted = routing.mismatched([own], valid, recorded)
+  assert (float(differ), float(counted)) == (1.0, 2.0)  # token 0 same set, token 1 differs, 2 unrecorded, 3 pad
+
+
+CFG = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,
+                  num_experts=4, num_experts_per_tok=2, moe_d_ff=8, mlp_only_layers=(1,))
+
+
+def _batch(graphdef, params, seed=0):
+  rng = np.random.default_rng(seed)
+  b, p, n = 4, 3, 5
+  tokens = jnp.asarray(rng.integers(3, CFG.vocab_size, (b, p + n)), jnp.int32)
+  valid = jnp.ones((b, p + n), bool)
+  loss_mask = jnp.concatenate([jnp.zeros((b, p), bool), jnp.ones((b, n), bool)], axis=1)
+  _, _, routings = nnx.merge(graphdef, params).forward(tokens, positions_from_valid(valid), causal_mask(valid))
+  experts = moe.stacked_experts(routings, b, p + n)
+  zeros = jnp.zeros((b, p + n), jnp.float32)
+  adv = jnp.where(loss_mask, jnp.asarray(rng.normal(size=(b, 1)), jnp.float32), 0.0)
+  return TrainBatch(tokens, valid, loss_mask, zeros, zeros, zeros, adv, zeros, zeros, experts), experts
+
+
+@pytest.fixture(scope="module")
+def models():
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  out = {}
+  for replay in (False, True):
+    cfg = ModelConfig(**{**CFG.__dict__, "routing_replay": replay})
+    out[replay] = sharding.create_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+  return out
+
+
+def _update(graphdef, params, batch, algo=AlgoConfig()):
+  tx = optax.adam(1e-2)
+  params = jax.tree.map(jnp.copy, params)  # the update donates its state
+  state = dict(params=params, opt_state=tx.init(params))
+  return update(state, batch, jnp.float32(0.0), models=Models(graphdef, tx), cfg=algo, num_micro=2)
+
+
+def test_update_logs_router_figures_and_mismatch_counts_changed_decisions(models):
+  graphdef, params = models[False]
+  batch, experts = _batch(graphdef, params)
+  _, metrics = _update(graphdef, params, batch)
+  assert float(metrics["router_mismatch_frac"]) == 0.0  # the sampler's routing is the trainer's own
+  assert 0 < float(metrics["expert_load_cv"]) < np.sqrt(4 / 2 - 1)
+  np.testing.assert_allclose(metrics["router_aux_loss"], 2.0, rtol=0.5)  # near k for a roughly uniform router
+  # Recording a different expert set for 5 of the 32 token decisions: 5 / 32 mismatched.
+  # Recording another expert set ({a, b} -> {a + 1, b + 1} mod 4) for 5 of the 32 token decisions: 5 / 32.
+  changed = experts.at[0, :5, 0].set((experts[0, :5, 0] + 1) % CFG.num_experts)
+  _, metrics = _update(graphdef, params, batch._replace(experts_BxTxLxK=changed))
+  np.testing.assert_allclose(metrics["router_mismatch_frac"], 5 / 32, rtol=1e-6)
+  _, metrics = _update(graphdef, params, batch._replace(experts_BxTxLxK=None))
+  assert "router_mismatch_frac" not in metrics and "expert_load_cv" in metrics
+
+
+def test_routing_replay_uses_the_recorded_experts_and_aux_loss_moves_the_router(models):
+  graphdef, params = models[True]
+  batch, experts = _batch(graphdef, params)
+  other = (experts + 1) % CFG.num_experts
+  algo = AlgoConfig(old_logp="trainer")
+  args = (batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT)
+  own, _ = score(params, None, *args, experts, models=Models(graphdef, optax.adam(1e-2)), cfg=algo)
+  replayed, _ = score(params, None, *args, other, models=Models(graphdef, optax.adam(1e-2)), cfg=algo)
+  plain, _ = score(*models[False][1:], None, *args, other, models=Models(models[False][0], optax.adam(1e-2)),
+                   cfg=algo)
+  np.testing.assert_allclose(plain, own, atol=1e-6)  # replay off: the recorded experts are not used
+  assert np.abs(np.asarray(replayed - own)).max() > 1e-3
+
+  def router_after(coef):
+    state, metrics = _update(graphdef, params, batch, AlgoConfig(router_aux_loss_coef=coef))
+    return np.asarray(nnx.merge(graphdef, state["params"]).blocks[0].mlp.router[...]), metrics
+
+  (without, m0), (with_aux, m1) = router_after(0.0), router_after(10.0)
+  assert np.abs(with_aux - without).max() > 1e-4
+  assert float(m1["loss"]) > float(m0["loss"])  # the loss includes 10 x the (positive) balancing loss
+
+
+def test_negative_aux_loss_coef_is_refused():
+  with pytest.raises(ValueError, match="router_aux_loss_coef"):
+    AlgoConfig(router_aux_loss_coef=-1.0).check(8)
