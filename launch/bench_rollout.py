@@ -8,6 +8,8 @@ concurrency and response-length distribution, against the roofline.
     --slots=64 --prompt_len=16 --out=/tmp/bench_engines.json   # 512 long-tailed requests on 64 slots
   python -m launch.bench_rollout --engine=static,continuous --length_dist=lognormal:128:1024 --rollouts=512 \
     --slots=64 --prompt_len=16 --partial_budget=128   # + partial rollouts in steady state, 128 decode steps a step
+  python -m launch.bench_rollout --num_experts=64 --num_experts_per_tok=8 --moe_d_ff=256 --concurrency=1,8,64 \
+    --out=/tmp/bench_moe.json   # MoE, k x moe_d_ff = d_ff: experts read vs rows
   python -m launch.bench_rollout --engine=continuous,paged --length_dist=lognormal:128:1024 --rollouts=512 \
     --slots=64,256 --prompt_len=16 --page_size=16 --pages=4155   # 256 slots paged in the memory of 64 slots
 
@@ -27,7 +29,8 @@ runs transformers' `generate` (torch, imported only then) on the same weights (`
 Writes --out (JSON, rewritten after each point, so a sweep cut short still reports): the settings, the machine's load
 (`os.getloadavg()` at the start and end), the rates measured before the sweep (`machine`), and per point one record
 per engine (`benchmark.sweep`), the continuous engine's with decode_speedup_vs_static; with --partial_budget one
-"partial" record more (`sampling.steady_state`).
+"partial" record more (`sampling.steady_state`). With --num_experts (a mixture-of-experts model) the records also
+give the distinct experts a decode step reads per MoE layer, expected under uniform routing and measured.
 """
 import dataclasses
 import json
@@ -54,6 +57,9 @@ flags.DEFINE_integer("num_heads", 12, "Query heads N.")
 flags.DEFINE_integer("num_kv_heads", 4, "Key/value heads K.")
 flags.DEFINE_integer("head_dim", 64, "Head width H.")
 flags.DEFINE_integer("d_ff", 2048, "SwiGLU hidden width F.")
+flags.DEFINE_integer("num_experts", 0, "Experts E of every layer's mixture-of-experts MLP (0 = dense).")
+flags.DEFINE_integer("num_experts_per_tok", 0, "Experts k each token is routed to (with --num_experts).")
+flags.DEFINE_integer("moe_d_ff", 0, "Hidden width of one expert (with --num_experts).")
 flags.DEFINE_integer("vocab_size", 32000, "Vocabulary V.")
 flags.DEFINE_bool("tie_embeddings", False, "Reuse the embedding table as the output head.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and activation dtype.")

@@ -1,8 +1,9 @@
 """launch.bench_rollout at a tiny shape: the report's fields over two concurrencies in the token-budget mode (forced
 EOS, sampled), and, where torch and transformers are installed, the side-by-side with Hugging Face generate; the
 static and continuous engines on long-tailed lengths (same tokens, the continuous one's slots busier) and on fixed
-ones (no idle slot in one block); the length distributions and the settings refused; the step roofline against a
-hand count."""
+ones (no idle slot in one block); a mixture-of-experts model's distinct experts per step, measured against
+expected; the length distributions and the settings refused; the step roofline against a hand count, dense and
+MoE."""
 import dataclasses
 import json
 import math
@@ -12,7 +13,7 @@ import pytest
 
 from jaxrl_batch.model import ModelConfig
 from jaxrl_batch.sampling.benchmark import Settings, draw_lengths, sweep
-from jaxrl_batch.sampling.roofline import step_roofline
+from jaxrl_batch.sampling.roofline import expected_distinct_experts, step_roofline
 from launch import bench_rollout
 
 TINY = Settings(concurrency=(1, 2), d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
@@ -124,6 +125,31 @@ def test_fixed_lengths_leave_no_slot_idle(tmp_path):
     assert record["useful_token_frac"] == 1.0 and record["live_len"] == TINY.prompt_len + 3
 
 
+def test_moe_sweep_measures_the_experts_a_step_reads(tmp_path):
+  # 16 experts, 2 a token: random routers route nearly uniformly, so the distinct experts the decode steps' rows
+  # chose match E (1 - (1 - k / E)^c): 2 at c = 1 (exactly), 3.75 at 2, 10.5 at 8.
+  out = tmp_path / "bench.json"
+  s = dataclasses.replace(TINY, concurrency=(1, 2, 8), num_experts=16, num_experts_per_tok=2, moe_d_ff=16)
+  report = bench_rollout.run(s, str(out))
+  _check(report, out, (1, 2, 8))
+  assert report["num_active_params"] < report["num_params"]
+  one, two, eight = report["results"]
+  assert one["measured_distinct_experts"] == one["expected_distinct_experts"] == 2
+  for record in (two, eight):
+    assert record["measured_distinct_experts"] == pytest.approx(record["expected_distinct_experts"], rel=0.15)
+  assert one["weight_bytes"] < two["weight_bytes"] < eight["weight_bytes"]  # more rows, more experts read
+  dense = bench_rollout.run(dataclasses.replace(TINY, concurrency=(1,)), str(out))
+  assert "measured_distinct_experts" not in dense["results"][0] and dense["num_active_params"] == dense["num_params"]
+
+
+def test_expected_distinct_experts():
+  assert expected_distinct_experts(8, 2, 1) == pytest.approx(2)  # one token: its k
+  assert expected_distinct_experts(8, 2, 2) == pytest.approx(8 * (1 - (6 / 8) ** 2)) == pytest.approx(3.5)
+  assert expected_distinct_experts(8, 2, 3) == pytest.approx(8 * 37 / 64)  # 8 (1 - 27/64) = 4.625
+  assert expected_distinct_experts(8, 2, 200) == pytest.approx(8)  # many tokens: every expert
+  assert expected_distinct_experts(4, 4, 1) == 4  # k = E: all of them
+
+
 def test_length_distributions():
   fixed = draw_lengths("fixed:7", 5, 0)
   assert fixed.tolist() == [7] * 5
@@ -159,3 +185,22 @@ def test_step_roofline_counts_bytes_and_flops(tied):
   assert roofline["memory_roofline_ms"] == pytest.approx(1e3 * (roofline["weight_bytes"] + roofline["kv_bytes"]) / 1e6)
   assert roofline["compute_roofline_ms"] == pytest.approx(1e3 * roofline["flops"] / 1e7)
   assert roofline["roofline_ms"] == max(roofline["memory_roofline_ms"], roofline["compute_roofline_ms"])
+  assert "expected_distinct_experts" not in roofline
+
+
+def test_step_roofline_reads_the_experts_routed_to():
+  # Layer 0 MoE (4 experts of 3*8*6 = 144 params, 2 a token, router 8*4 = 32), layer 1 dense (MLP 3*8*16 = 384);
+  # attention and norms as above, tied head 800. Dense weights: 2*(192 + 16) + 32 + 384 + 8 + 800 = 1640.
+  cfg = ModelConfig(vocab_size=100, d_model=8, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=2, d_ff=16,
+                    num_experts=4, num_experts_per_tok=2, moe_d_ff=6, mlp_only_layers=(1,))
+  machine = dict(bandwidth_bytes_per_s=1e6, matmul_flops_per_s=1e7)
+  two = step_roofline(cfg, batch=2, live_len=10.0, machine=machine)
+  assert two["expected_distinct_experts"] == pytest.approx(3)  # 4 (1 - (1/2)^2)
+  assert two["weight_bytes"] == pytest.approx(4 * (1640 + 3 * 144))
+  assert two["flops"] == 2 * (1640 + 2 * 144) * 2 + 4 * 2 * 2 * 4 * 2 * 10  # active: 2 experts a token
+  assert two["kv_bytes"] == 4 * 2 * 2 * 2 * 10 * 2 * 2
+  assert two["memory_roofline_ms"] == pytest.approx(1e3 * (two["weight_bytes"] + two["kv_bytes"]) / 1e6)
+  one = step_roofline(cfg, batch=1, live_len=10.0, machine=machine)  # one token reads its active parameters
+  assert one["weight_bytes"] == pytest.approx(4 * cfg.num_params(active=True)) == pytest.approx(4 * 1928)
+  many = step_roofline(cfg, batch=1000, live_len=10.0, machine=machine)  # and many rows read every expert
+  assert many["weight_bytes"] == pytest.approx(4 * cfg.num_params())

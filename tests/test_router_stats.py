@@ -119,3 +119,27 @@ def test_routing_replay_uses_the_recorded_experts_and_aux_loss_moves_the_router(
 def test_negative_aux_loss_coef_is_refused():
   with pytest.raises(ValueError, match="router_aux_loss_coef"):
     AlgoConfig(router_aux_loss_coef=-1.0).check(8)
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_moe_member_trains_with_routing_replay_and_logs_router_figures(tmp_path, engine):
+  import json
+  import os
+
+  from configs import grpo_arith
+  from jaxrl_batch.train.trainer import Trainer
+  c = grpo_arith.get_config("debug,moe")
+  c.sft.cache_dir = str(tmp_path / "base")
+  c.sample_budget = 64  # 2 steps of 32 rollouts
+  c.mesh.data = 1
+  c.model.routing_replay = True
+  c.sampling.engine = engine
+  workdir = str(tmp_path / "run")
+  Trainer(c, workdir, devices=jax.devices()[:1]).run()
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    train = [r for r in map(json.loads, f) if "reward_mean" in r]
+  assert len(train) == 2
+  for row in train:
+    assert 0.0 <= row["router_mismatch_frac"] < 0.01  # float32 on CPU: the sampler's routing is the trainer's
+    assert 0.0 < row["expert_load_cv"] < np.sqrt(8 / 2 - 1)
+    assert row["router_aux_loss"] > 0

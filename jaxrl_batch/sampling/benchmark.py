@@ -28,6 +28,11 @@ roofline (`roofline.step_roofline`: a step of S rows at the mean live length, ov
 of percent. `roofline_fraction` = roofline ms / measured ms per decode step (1.0 = at the roofline); a step decodes
 S rows, live or not, so the useful work per step is `useful_token_frac` of it.
 
+A mixture-of-experts model (`num_experts` > 0: every layer's MLP E experts of width `moe_d_ff`, k =
+`num_experts_per_tok` per token) reads per decode step only the experts its S rows are routed to: each record has
+the roofline's expected count under uniform routing and the count measured on the point's tokens (`sweep`). Random
+routers are close to uniform, so the two agree here; a trained router is less uniform and reads fewer.
+
 With `partial_budget`, each point also gets a "partial" record: partial rollouts emulated in steady state over its
 requests (`steady_state`): steps of `partial_budget` decode steps, the sequences in flight carried over and
 re-prefilled, free slots refilled; its times include the re-prefills and cover only the steps whose queue did not
@@ -42,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_batch.model import KVCache, ModelConfig, PagedKVCache, Transformer
+from jaxrl_batch.model import KVCache, ModelConfig, PagedKVCache, Transformer, causal_mask
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import steady_state
 from jaxrl_batch.sampling.continuous import EngineStats
@@ -74,6 +79,9 @@ class Settings:
   num_kv_heads: int = 4
   head_dim: int = 64
   d_ff: int = 2048
+  num_experts: int = 0  # experts E of every layer's MoE MLP (0 = a dense model)
+  num_experts_per_tok: int = 0  # experts k per token (MoE)
+  moe_d_ff: int = 0  # hidden width of one expert (MoE)
   vocab_size: int = 32000
   tie_embeddings: bool = False
   dtype: str = "float32"  # parameters and activations
@@ -93,7 +101,8 @@ class Settings:
     return ModelConfig(vocab_size=self.vocab_size, d_model=self.d_model, num_layers=self.num_layers,
                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                        d_ff=self.d_ff, tie_embeddings=self.tie_embeddings, dtype=self.dtype,
-                       param_dtype=self.dtype)
+                       param_dtype=self.dtype, num_experts=self.num_experts,
+                       num_experts_per_tok=self.num_experts_per_tok, moe_d_ff=self.moe_d_ff)
 
   @property
   def longest(self) -> int:
@@ -139,12 +148,16 @@ class EosAt(nnx.Module):
   def hidden(self, *args, **kwargs):
     return self.model.hidden(*args, **kwargs)
 
+  def forward(self, *args, **kwargs):
+    return self.model.forward(*args, **kwargs)
+
   def logits(self, hidden_BxTxD):  # the prefill's last position, < `position`
     return self._force(self.model.logits(hidden_BxTxD), jnp.zeros(hidden_BxTxD.shape[:2], bool))
 
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None, decode_backend=None):
-    logits_BxTxV, cache = self.model(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index, decode_backend)
-    return self._force(logits_BxTxV, positions_BxT >= self.position), cache
+  def step(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None, decode_backend=None):
+    logits_BxTxV, cache, experts = self.model.step(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index,
+                                                   decode_backend)
+    return self._force(logits_BxTxV, positions_BxT >= self.position), cache, experts
 
 
 def random_params(cfg: ModelConfig, seed: int):
@@ -254,6 +267,34 @@ def _partial_record(s: Settings, graphdef, params, eos_id: int, prompt_RxP: np.n
   return record
 
 
+def measured_distinct_experts(model: Transformer, prompt_RxP: np.ndarray, tokens_RxN: np.ndarray,
+                              lengths_R: np.ndarray, slots: int) -> float:
+  """Mean, over MoE layers and decode steps, of the distinct experts a step's `slots` rows are routed to, with
+  the R requests decoded as the static engine does: blocks of `slots` rows, a block's step t = 1..(its longest - 1)
+  feeding each row's response token t - 1 (`tokens_RxN`, padded after its end, as the engine feeds) at position
+  prompt_len + t - 1. The routing is that of one causal forward per block over its prompts and responses (teacher
+  forcing: the decode steps' routing up to rounding)."""
+  p, n = prompt_RxP.shape[1], tokens_RxN.shape[1]
+  fed_RxT = np.concatenate([prompt_RxP, tokens_RxN[:, :n - 1]], axis=1).astype(np.int32)
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def experts(params, tokens_SxT):
+    valid_SxT = jnp.ones_like(tokens_SxT, bool)
+    positions_SxT = jnp.broadcast_to(jnp.arange(tokens_SxT.shape[1]), tokens_SxT.shape)
+    _, _, routings = nnx.merge(graphdef, params).forward(tokens_SxT, positions_SxT, causal_mask(valid_SxT))
+    return jnp.stack([r.experts_NxK.reshape(*tokens_SxT.shape, -1)[:, p:] for r in routings])  # (L, S, N - 1, K)
+
+  counts = []
+  for start in range(0, len(fed_RxT), slots):
+    steps = int(lengths_R[start:start + slots].max()) - 1
+    experts_LxSxNxK = np.asarray(experts(params, jnp.asarray(fed_RxT[start:start + slots])))[:, :, :steps]
+    layers = experts_LxSxNxK.shape[0]
+    chosen_LxNxM = np.sort(experts_LxSxNxK.transpose(0, 2, 1, 3).reshape(layers, steps, -1), axis=-1)  # M = S k
+    counts.append(1 + (np.diff(chosen_LxNxM, axis=-1) != 0).sum(-1).reshape(-1))  # distinct, per (layer, step)
+  return float(np.concatenate(counts).mean())
+
+
 def _check(s: Settings):
   """Raises ValueError on settings the sweep cannot measure."""
   if s.rollouts and not s.slots or s.slots and not s.rollouts:
@@ -283,14 +324,18 @@ def sweep(s: Settings) -> Iterator[dict]:
   """Measures each point of `s.points()` in turn; yields the report after each, one record per engine longer.
 
   The report: settings, the decode attention backend, device, `os.getloadavg()` at the start (load_avg) and after the
-  last point (load_avg_end), num_params, the rates measured before the sweep (machine, `roofline.measure_machine`)
-  and `results`, per point one record per engine: engine, length_dist (its spec; "fixed:new_tokens" without one),
-  concurrency (= slots), slots, rollouts (requests), length_mean and length_max (of the responses), times in seconds
-  (prefill_s, decode_s), speeds (`_speeds`), the engine's figures (chunks: host syncs, 0 for the static engine's
-  single programs; slot_steps; decoded; useful_token_frac = decoded / slot_steps, `continuous.EngineStats`),
-  kv_cache_bytes (`kv_cache_bytes`), the paged engine's page_size, pages, preempted, pages_peak and reprefill_s,
-  the rates used, the step roofline (`roofline.step_roofline`) at live_len and roofline_fraction; on every engine's
-  record but the static one's, when it was measured at the point, decode_speedup_vs_static and, when greedy,
+  last point (load_avg_end), num_params, num_active_params (a token's: k experts per MoE layer; = num_params when
+  dense), the rates measured before the sweep (machine, `roofline.measure_machine`) and `results`, per point one
+  record per engine: engine, length_dist (its spec; "fixed:new_tokens" without one), concurrency (= slots), slots,
+  rollouts (requests), length_mean and length_max (of the responses), times in seconds (prefill_s, decode_s), speeds
+  (`_speeds`), the engine's figures (chunks: host syncs, 0 for the static engine's single programs; slot_steps;
+  decoded; useful_token_frac = decoded / slot_steps, `continuous.EngineStats`), kv_cache_bytes (`kv_cache_bytes`),
+  the paged engine's page_size, pages, preempted, pages_peak and reprefill_s, the rates used, the step roofline
+  (`roofline.step_roofline`) at live_len and roofline_fraction. For a mixture-of-experts model every record of a
+  point (the partial one's too) also has the roofline's expected_distinct_experts (per MoE layer and decode step,
+  under uniform routing) and the point's measured_distinct_experts (`measured_distinct_experts`, over the first
+  engine's tokens; random routers route nearly uniformly, so the two should agree). On every engine's record but
+  the static one's, when it was measured at the point, decode_speedup_vs_static and, when greedy,
   same_tokens_vs_static (the fraction of token positions equal). With compare_hf the same speeds of transformers
   prefixed hf_, decode_speedup_vs_hf, tok_s_speedup_vs_hf and, when greedy, hf_same_tokens (the fraction of the
   first new_tokens - 1 tokens that agree).
@@ -311,7 +356,7 @@ def sweep(s: Settings) -> Iterator[dict]:
     hf = side_by_side.hf_model(cfg, params)
   report = dict(settings=dataclasses.asdict(s), backend=SamplingParams(attention_backend=s.backend).backend,
                 device=str(jax.devices()[0]), load_avg=os.getloadavg(), num_params=cfg.num_params(),
-                machine=machine, results=[])
+                num_active_params=cfg.num_params(active=True), machine=machine, results=[])
   for requests, slots in s.points():
     prompt_BxP = _prompts(s, requests)
     if s.length_dist:
@@ -370,6 +415,11 @@ def sweep(s: Settings) -> Iterator[dict]:
     if s.partial_budget:
       records["partial"] = _partial_record(s, bench_graphdef, bench_params, eos_id, prompt_BxP, lengths_R, slots,
                                            live_len, rates)
+    if cfg.num_experts:
+      measured = measured_distinct_experts(nnx.merge(graphdef, params), prompt_BxP,
+                                           np.asarray(runs[s.engine[0]][0].tokens_BxN), lengths_R, slots)
+      for record in records.values():
+        record["measured_distinct_experts"] = measured
     for mode, record in records.items():
       if mode != "static" and "static" in records:
         record["decode_speedup_vs_static"] = record["decode_tok_s"] / records["static"]["decode_tok_s"]

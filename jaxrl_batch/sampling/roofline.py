@@ -4,6 +4,13 @@ The roofline of a decode step of B rows is the larger of
   bytes read (every weight once, the embedding table only when tied, + the live KV cache) / memory bandwidth,
   FLOPs (2 x matmul weights x B + attention over the live cache) / matmul rate,
 with both rates measured on the device (`measure_machine`), not taken from a datasheet.
+
+In a mixture-of-experts model a step reads, of each MoE layer's E experts, only those its B tokens are routed to:
+under uniform routing (each token's k experts a uniformly random k-subset, tokens independent) the expected
+`expected_distinct_experts(E, k, B)` = E (1 - (1 - k / E)^B), k at B = 1, tending to E. The weights read are then
+the dense ones (attention, norms, routers, dense MLPs, head) + that many experts' 3 D moe_d_ff parameters per MoE
+layer, and the matmul FLOPs those of the active parameters (k experts a token). A trained router is less uniform
+(popular experts are shared more often), so it reads fewer experts than this at the same B.
 """
 import time
 from collections.abc import Callable, Sequence
@@ -52,13 +59,29 @@ def step_roofline(cfg: ModelConfig, batch: int, live_len: float, machine: dict[s
   bandwidth_bytes_per_s and matmul_flops_per_s.
 
   Returns weight_bytes, kv_bytes (bytes read), flops, and memory_roofline_ms, compute_roofline_ms and their
-  maximum roofline_ms (milliseconds).
+  maximum roofline_ms (milliseconds); for a mixture-of-experts model also expected_distinct_experts (per MoE
+  layer), of which weight_bytes counts the expert weights (the module docstring).
   """
-  weights = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)  # gathered rows only
+  gathered = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model  # the untied embedding: rows gathered only
+  weights = cfg.num_params() - gathered
+  active = cfg.num_params(active=True) - gathered  # = weights for a dense model
+  extra = {}
+  if cfg.num_experts:
+    expert = 3 * cfg.d_model * cfg.moe_d_ff
+    distinct = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
+    weights -= len(cfg.moe_layers) * (cfg.num_experts - distinct) * expert
+    extra = dict(expected_distinct_experts=distinct)
   weight_bytes = weights * cfg.weight_dtype.itemsize
   kv_bytes = 2 * cfg.num_layers * batch * live_len * cfg.num_kv_heads * cfg.head_dim * cfg.compute_dtype.itemsize
-  flops = 2 * weights * batch + 4 * cfg.num_layers * batch * cfg.num_heads * cfg.head_dim * live_len
+  flops = 2 * active * batch + 4 * cfg.num_layers * batch * cfg.num_heads * cfg.head_dim * live_len
   memory_s = (weight_bytes + kv_bytes) / machine["bandwidth_bytes_per_s"]
   compute_s = flops / machine["matmul_flops_per_s"]
   return dict(weight_bytes=weight_bytes, kv_bytes=kv_bytes, flops=flops, memory_roofline_ms=1e3 * memory_s,
-              compute_roofline_ms=1e3 * compute_s, roofline_ms=1e3 * max(memory_s, compute_s))
+              compute_roofline_ms=1e3 * compute_s, roofline_ms=1e3 * max(memory_s, compute_s), **extra)
+
+
+def expected_distinct_experts(num_experts: int, k: int, tokens: int) -> float:
+  """Expected number of distinct experts among `tokens` tokens' choices when each token picks k of `num_experts`
+  uniformly at random (a given expert is missed by one token with probability 1 - k / E): E (1 - (1 - k / E)^tokens).
+  """
+  return num_experts * (1 - (1 - k / num_experts) ** tokens)

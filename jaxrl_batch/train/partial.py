@@ -47,6 +47,9 @@ class PartialCollector(Collector):
     if exp.sampling.engine != "continuous":
       raise ValueError("rollout.partial=True carries sequences across steps in the continuous engine's slots: set "
                        "sampling.engine='continuous'.")
+    if exp.model_cfg.routing_replay:
+      raise ValueError("model.routing_replay=True with rollout.partial=True: the routing of carried sequences is not "
+                       "recorded across steps yet, so nothing would be replayed. Turn one of them off.")
     if self.member.algo.dynamic_sampling:
       raise ValueError("rollout.partial=True does not combine with rl.dynamic_sampling yet: turn one of them off.")
     if cfg.partial_budget < 0 or cfg.max_lookahead < 0:

@@ -46,7 +46,8 @@ MAX_IDLE_STEPS = 20  # Consecutive steps without a trained rollout before the ru
 
 # Update metrics copied into metrics.jsonl rows (those of the actor are absent during the critic warm-up).
 METRIC_KEYS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
-               "grad_norm", "value_loss", "critic_grad_norm", "updates")
+               "grad_norm", "value_loss", "critic_grad_norm", "updates", "router_mismatch_frac", "expert_load_cv",
+               "router_aux_loss")
 
 
 class Trainer:
