@@ -143,3 +143,16 @@ def test_moe_member_trains_with_routing_replay_and_logs_router_figures(tmp_path,
     assert 0.0 <= row["router_mismatch_frac"] < 0.01  # float32 on CPU: the sampler's routing is the trainer's
     assert 0.0 < row["expert_load_cv"] < np.sqrt(8 / 2 - 1)
     assert row["router_aux_loss"] > 0
+
+
+def test_routing_replay_with_partial_rollouts_is_refused(tmp_path):
+  from configs import grpo_arith
+  from jaxrl_batch.train.trainer import Trainer
+  c = grpo_arith.get_config("debug,moe")
+  c.sft.cache_dir = str(tmp_path / "base")
+  c.mesh.data = 1
+  c.model.routing_replay = True
+  c.sampling.engine = "continuous"
+  c.rollout.partial = True
+  with pytest.raises(ValueError, match="routing_replay=True with rollout.partial=True"):
+    Trainer(c, str(tmp_path / "run"), devices=jax.devices()[:1]).run()
