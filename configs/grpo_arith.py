@@ -10,6 +10,7 @@ Commands (from the repository root):
   python -m launch.train --config=configs/grpo_arith.py --workdir=/tmp/grpo_arith
   python -m launch.train --config=configs/grpo_arith.py:batch=256,lr_rule=sqrt --workdir=/tmp/arith_b256
   python -m launch.train --config=configs/grpo_arith.py:debug --workdir=/tmp/arith_debug   # < 1 minute
+  python -m launch.train --config=configs/grpo_arith.py:moe --workdir=/tmp/arith_moe       # mixture of experts
   python -m launch.sft --config=configs/grpo_arith.py --workdir=/tmp/arith_base             # warm start only
 """
 import ml_collections
@@ -26,14 +27,16 @@ BASE_PROMPTS = BASE_BATCH // GROUP_SIZE  # Prompts per step when the family scal
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
   """The config argument's fields, with defaults."""
-  return parse_arg(arg, batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", debug=False)
+  return parse_arg(arg, batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", debug=False, moe=False)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """`arg`: 'batch=<rollouts per update>,lr_rule=<none|linear|sqrt|adam_sde>,seed=<int>,
-  family_axis=<prompts|group_size>,debug'.
+  family_axis=<prompts|group_size>,debug,moe'.
 
-  Without `batch`, the member is the family's base (B0 = 128; 32 under `debug`).
+  Without `batch`, the member is the family's base (B0 = 128; 32 under `debug`). `moe` swaps each block's SwiGLU
+  for a mixture of experts (`moe_config`) with as many active parameters as the dense model has in all; the rest
+  of the recipe is unchanged.
   """
   arg = parse(arg)
   if arg.family_axis not in ("prompts", "group_size"):
@@ -65,7 +68,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       param_dtype="float32",  # Parameters.
   ))
 
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # Device mesh; -1 takes the rest.
+  # Device mesh (runtime.sharding.make_mesh); -1 takes the rest. `expert` splits MoE experts (and the batch).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
   c.sharding_rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes.
 
   c.algo = "grpo"  # RL algorithm: grpo (critic-free) | ppo (critic + GAE; see configs/ppo_arith.py).
@@ -139,7 +143,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint_every_samples = 64
     c.log_every_steps = 1
     c.sft.update(steps=20, batch_size=16, warmup_steps=2)
+  if arg.moe:
+    c.model.update(moe_config(c.model))
   return c
+
+
+def moe_config(model: ml_collections.ConfigDict, num_experts: int = 8, k: int = 2) -> dict:
+  """Mixture-of-experts fields for the dense `model`: every layer routes each token to k of `num_experts` experts of
+  width d_ff / k, so a token's active parameters are the dense model's (plus the D x E routers)."""
+  return dict(
+      num_experts=num_experts,  # Experts E per MoE layer.
+      num_experts_per_tok=k,  # Experts each token is routed to.
+      moe_d_ff=model.d_ff // k,  # SwiGLU hidden width of one expert.
+      norm_topk_prob=True,  # Renormalise the k chosen router probabilities (Qwen3-MoE).
+      decoder_sparse_step=1,  # Every layer is an MoE layer.
+  )
 
 
 def rl_config() -> ml_collections.ConfigDict:

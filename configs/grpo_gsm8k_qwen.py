@@ -6,13 +6,19 @@ size), `lr_rule=` and `seed=`, the arguments every family config shares. `model=
   tiny_random     a 2-layer Qwen2-style model with the bundled sample tokenizer: runs end to end on a CPU on the
                   bundled sample data (a smoke run, not a learning result). Group size 4, B0 = 16 rollouts with
                   lr0 = 1e-4, 64 samples per member: batch=16 and batch=32 make a two-member study.
-  qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b
+  tiny_moe        the same smoke run with a 2-layer Qwen3-MoE-style model (QK-norm, untied, 8 experts, 2 per token,
+                  as many active parameters as tiny_random's MLPs).
+  qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b
                   shapes of the released checkpoints; set `init_from` to the Hugging Face directory (config.json,
-                  *.safetensors, tokenizer.json) and `task.path` to your GSM8K JSONL file.
-`mesh=DxFxT` sets the (data, fsdp, tensor) mesh; -1 takes the remaining devices.
+                  *.safetensors, tokenizer.json) and `task.path` to your GSM8K JSONL file. qwen3-30b-a3b is the
+                  reference study's mixture of experts (30.5B parameters, 3.3B active: 128 experts, 8 per token).
+`mesh=DxFxT` or `mesh=DxFxTxE` sets the (data, fsdp, tensor) mesh and optionally its expert axis E (default 1;
+MoE experts and the batch are split over it); -1 takes the remaining devices. Without `mesh`, the model's default
+(MESHES): 1x-1x1x8 for qwen3-30b-a3b (8 expert groups, fsdp over the rest), -1x1x1 otherwise.
 
 Commands (from the repository root):
   python -m launch.train --config=configs/grpo_gsm8k_qwen.py:model=tiny_random --workdir=/tmp/gsm8k_tiny
+  python -m launch.train --config=configs/grpo_gsm8k_qwen.py:model=tiny_moe --workdir=/tmp/gsm8k_tiny_moe
   python -m launch.study --config=configs/grpo_gsm8k_qwen.py:model=tiny_random --batches=16,32 --rules=sqrt \
       --workdir=/tmp/gsm8k_tiny_study
   python -m launch.analyze --workdir=/tmp/gsm8k_tiny_study --target=0.5
@@ -20,6 +26,8 @@ Commands (from the repository root):
       --config.init_from=/data/Qwen2.5-0.5B-Instruct --config.task.path=/data/gsm8k/train.jsonl \
       --config.task.eval_path=/data/gsm8k/test.jsonl
   python -m launch.train --distributed --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-7b,mesh=1x-1x4 ...
+  python -m launch.train --distributed --config=configs/grpo_gsm8k_qwen.py:model=qwen3-30b-a3b,mesh=1x-1x1x8 \
+      --config.init_from=/data/Qwen3-30B-A3B ...
 """
 import ml_collections
 
@@ -37,20 +45,45 @@ TINY_BASE_BATCH = 16  # B0 in rollouts (4 prompts),
 TINY_BASE_LR = 1e-4  # and lr0 at B0.
 
 QWEN2 = dict(qkv_bias=True, rope_theta=1_000_000.0, norm_eps=1e-6, dtype="bfloat16", param_dtype="bfloat16")
+# Qwen3-MoE: QK-norm, no q/k/v bias, untied head, every layer a mixture of experts with renormalised top-k weights.
+QWEN3_MOE = dict(qk_norm=True, tie_embeddings=False, rope_theta=1_000_000.0, norm_eps=1e-6, norm_topk_prob=True,
+                 decoder_sparse_step=1)
 MODELS = {
     "tiny_random": dict(vocab_size=400, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
                         tie_embeddings=True, qkv_bias=True, rope_theta=1_000_000.0, norm_eps=1e-6),
+    "tiny_moe": dict(vocab_size=400, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
+                     num_experts=8, num_experts_per_tok=2, moe_d_ff=64, **QWEN3_MOE),
     "qwen2.5-0.5b": dict(vocab_size=151_936, d_model=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
                          d_ff=4864, tie_embeddings=True, **QWEN2),
     "qwen2.5-1.5b": dict(vocab_size=151_936, d_model=1536, num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
                          d_ff=8960, tie_embeddings=True, **QWEN2),
     "qwen2.5-7b": dict(vocab_size=152_064, d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                        d_ff=18_944, tie_embeddings=False, **QWEN2),
+    # d_ff is config.json's intermediate_size (unused: no layer is dense), kept so init_from's shape check passes.
+    "qwen3-30b-a3b": dict(vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                          d_ff=6144, num_experts=128, num_experts_per_tok=8, moe_d_ff=768, dtype="bfloat16",
+                          param_dtype="bfloat16", **QWEN3_MOE),
 }
+TINY = ("tiny_random", "tiny_moe")  # CPU smoke models: the bundled sample data and tokenizer.
+# Default `mesh=` per model (data x fsdp x tensor[x expert]): 128 experts in 8 expert groups, fsdp over the rest.
+MESHES = {"qwen3-30b-a3b": "1x-1x1x8"}
+DEFAULT_MESH = "-1x1x1"
 
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
-  return parse_arg(arg, model="tiny_random", batch=0, prompts=0, lr_rule="sqrt", seed=0, mesh="-1x1x1", debug=False)
+  return parse_arg(arg, model="tiny_random", batch=0, prompts=0, lr_rule="sqrt", seed=0, mesh="", debug=False)
+
+
+def mesh_config(mesh: str) -> ml_collections.ConfigDict:
+  """`config.mesh` of 'DxFxT' or 'DxFxTxE': data, fsdp, tensor and optionally expert (default 1) sizes."""
+  sizes = mesh.split("x")
+  if len(sizes) not in (3, 4):
+    raise ValueError(f"mesh={mesh!r}: write data x fsdp x tensor [x expert], e.g. 1x-1x1, 2x4x1 or 1x-1x1x8.")
+  try:
+    data, fsdp, tensor, expert = [int(n) for n in sizes] + [1] * (4 - len(sizes))
+  except ValueError:
+    raise ValueError(f"mesh={mesh!r}: each size must be an integer (-1 takes the remaining devices).") from None
+  return ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor, expert=expert))
 
 
 def batch_size(batch: int, prompts: int, group_size: int, base_batch: int) -> int:
@@ -62,18 +95,15 @@ def batch_size(batch: int, prompts: int, group_size: int, base_batch: int) -> in
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """`arg`: 'model=<tiny_random|qwen2.5-0.5b|qwen2.5-1.5b|qwen2.5-7b>,batch=<rollouts per step>,prompts=<per step>,
-  lr_rule=<rule>,seed=<int>,mesh=<DxFxT>,debug' (debug = the tiny_random smoke run). Without `batch` or `prompts`,
-  the member is the family's base."""
+  """`arg`: 'model=<one of MODELS>,batch=<rollouts per step>,prompts=<per step>,lr_rule=<rule>,seed=<int>,
+  mesh=<DxFxT[xE]>,debug' (debug = the tiny_random smoke run). Without `batch` or `prompts`, the member is the
+  family's base."""
   arg = parse(arg)
   if arg.debug:
     arg.model = "tiny_random"
   if arg.model not in MODELS:
     raise ValueError(f"model={arg.model!r}: use one of {sorted(MODELS)}.")
-  tiny = arg.model == "tiny_random"
-  mesh = arg.mesh.split("x")
-  if len(mesh) != 3:
-    raise ValueError(f"mesh={arg.mesh!r}: write data x fsdp x tensor, e.g. 1x-1x1 or 2x4x1.")
+  tiny = arg.model in TINY
   c = grpo_arith.get_config(f"lr_rule={arg.lr_rule},seed={arg.seed}")
   c.task = gsm8k.default_config()
   c.task.name = "gsm8k"  # JSONL rows {"question", "answer": "... #### N"}; task.path "" = the bundled sample.
@@ -82,7 +112,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.
   c.chat_template = "none" if tiny else "auto"  # Prompt wrapping: auto (from the tokenizer) | none | chatml | ...
   c.model = ml_collections.ConfigDict(MODELS[arg.model])
-  c.mesh = ml_collections.ConfigDict(dict(data=int(mesh[0]), fsdp=int(mesh[1]), tensor=int(mesh[2])))
+  c.mesh = mesh_config(arg.mesh or MESHES.get(arg.model, DEFAULT_MESH))
   c.sharding_rules = sharding.DEFAULT_RULES
 
   c.group_size = TINY_GROUP_SIZE if tiny else GROUP_SIZE  # The family scales prompts per step (P = B / G).
@@ -107,5 +137,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 def sweep() -> list[dict]:
   """The reference study's members: 64 ... 4096 prompts per step at group size 8 under the sqrt rule, for a Qwen
-  model (`launch.study --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-0.5b`; tiny_random takes --batches=16,32)."""
+  model (`launch.study --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-0.5b`; the tiny models take
+  --batches=16,32)."""
   return [dict(batch=p * GROUP_SIZE, lr_rule="sqrt") for p in (64, 128, 256, 512, 1024, 2048, 4096)]

@@ -1,12 +1,14 @@
-r"""Converts Hugging Face Llama/Qwen2/Qwen3 checkpoints to our format (orbax params + model_config.json) and back.
+r"""Converts Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE checkpoints to our format (orbax params +
+model_config.json) and back.
 
   python -m launch.convert --hf_dir=/ckpt/Qwen2.5-0.5B-Instruct --out=/tmp/qwen05
   python -m launch.convert --direction=export --ckpt_dir=/tmp/qwen05 --out=/tmp/qwen05_hf
   python -m launch.convert --direction=export --ckpt_dir=/tmp/run/checkpoints --params_key=params \
       --model_config=/tmp/run/config.json --out=/tmp/run_hf --dtype=bfloat16
 
-Import loads each tensor sharded over --mesh (data,fsdp,tensor; one axis may be -1) and writes the layout of a
-cached base policy (see jaxrl_batch/hf/converted.py). Export writes safetensors + config.json that
+Import loads each tensor sharded over --mesh (data,fsdp,tensor[,expert]; one size may be -1; expert, default 1,
+splits MoE experts, e.g. --mesh=1,-1,1,8) and writes the layout of a cached base policy (see
+jaxrl_batch/hf/converted.py). Export writes safetensors + config.json that
 `transformers.AutoModelForCausalLM.from_pretrained` loads, with the source's tokenizer files when known.
 """
 import jax
@@ -26,10 +28,18 @@ flags.DEFINE_string("params_key", None, "export: key of the params in the checkp
 flags.DEFINE_integer("step", None, "export: checkpoint step (default: latest).")
 flags.DEFINE_string("dtype", None, "Parameter dtype written: float32 or bfloat16 (import default: float32; "
                     "export default: the checkpoint's).")
-flags.DEFINE_list("mesh", ["1", "-1", "1"], "Mesh sizes data,fsdp,tensor the params are sharded over.")
+flags.DEFINE_list("mesh", ["1", "-1", "1"], "Mesh sizes data,fsdp,tensor[,expert] the params are sharded over "
+                  "(expert, default 1, splits MoE experts; one size may be -1).")
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host).")
 flags.mark_flags_as_required(["out"])
 FLAGS = flags.FLAGS
+
+
+def mesh_sizes(sizes: list[str]) -> tuple[int, int, int, int]:
+  """(data, fsdp, tensor, expert) of the --mesh list data,fsdp,tensor[,expert]; expert defaults to 1."""
+  if len(sizes) not in (3, 4):
+    raise app.UsageError(f"--mesh={','.join(sizes)}: give data,fsdp,tensor[,expert], e.g. 1,-1,1 or 1,-1,1,8.")
+  return tuple([int(n) for n in sizes] + [1] * (4 - len(sizes)))
 
 
 def main(argv):
@@ -37,7 +47,8 @@ def main(argv):
   if FLAGS.distributed:
     jax.distributed.initialize()
   logs.setup()
-  mesh = sharding.make_mesh(*map(int, FLAGS.mesh))
+  data, fsdp, tensor, expert = mesh_sizes(FLAGS.mesh)
+  mesh = sharding.make_mesh(data, fsdp, tensor, expert=expert)
   if FLAGS.direction == "import":
     if not FLAGS.hf_dir:
       raise app.UsageError("--direction=import needs --hf_dir.")

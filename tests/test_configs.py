@@ -1,5 +1,6 @@
-"""Every shipped config builds (default and debug), each sweep member derives as launch.study builds it, and config
-args are parsed strictly."""
+"""Every shipped config builds (default and debug), each sweep member derives as launch.study builds it, config
+args are parsed strictly, and the mixture-of-experts members have the shapes they claim (they train in
+tests/test_router_stats.py)."""
 import glob
 import importlib
 import math
@@ -7,13 +8,18 @@ import os
 
 import jax
 import pytest
+from absl import app
 
+from configs import grpo_arith, grpo_gsm8k_qwen
 from jaxrl_batch.config.args import parse_arg
 from jaxrl_batch.config.optim import make_optimizer
+from jaxrl_batch.model import ModelConfig
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.study import runner
 from jaxrl_batch.tasks.base import Problem
 from jaxrl_batch.tasks.rewards import safe_rewards
 from jaxrl_batch.train.setup import Experiment
+from launch import convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE = jax.devices()[:1]
@@ -72,3 +78,66 @@ def test_reward_errors_are_counted_not_raised():
   rewards, errors, first = safe_rewards(Flaky(), ["2", "boom", "3"], problems)
   assert rewards.tolist() == [1.0, 0.0, 0.0]
   assert errors == 1 and first == "RuntimeError: parser exploded"
+
+
+def _model(module, arg=None) -> ModelConfig:
+  return ModelConfig.from_config(module.get_config(arg).model)
+
+
+@pytest.mark.parametrize("debug", ["", "debug,"])
+def test_arith_moe_member_has_the_dense_members_active_parameters(debug):
+  dense, moe = _model(grpo_arith, debug), _model(grpo_arith, debug + "moe")
+  assert moe.num_experts > moe.num_experts_per_tok > 1 and moe.moe_layers == tuple(range(moe.num_layers))
+  # A token's MLP work is the dense model's; only the D x E routers are extra (0.4%; 2.5% of the 1-layer debug model).
+  assert moe.num_params(active=True) - dense.num_params() == moe.num_layers * moe.d_model * moe.num_experts
+  assert moe.num_params(active=True) == pytest.approx(dense.num_params(), rel=0.03)
+  idle = moe.num_layers * (moe.num_experts - moe.num_experts_per_tok) * 3 * moe.d_model * moe.moe_d_ff
+  assert moe.num_params() - moe.num_params(active=True) == idle
+  # Everything but the model is the dense member's recipe.
+  def recipe(arg):
+    return {k: v for k, v in grpo_arith.get_config(arg).to_dict().items() if k != "model"}
+  assert recipe(debug + "moe") == recipe(debug)
+  exp = Experiment.create(grpo_arith.get_config(debug + "moe"), devices=ONE)
+  _, params = exp.init_params(seed=0)
+  assert sum(x.size for x in jax.tree.leaves(params)) == moe.num_params()
+
+
+def test_qwen_moe_models():
+  big = _model(grpo_gsm8k_qwen, "model=qwen3-30b-a3b")
+  # Qwen3-30B-A3B: 30.5B parameters, 3.3B active.
+  assert (big.num_params(), big.num_params(active=True)) == (30_532_122_624, 3_353_032_704)
+  assert (big.num_experts, big.num_experts_per_tok, big.moe_d_ff, big.qk_norm, big.tie_embeddings) == (
+      128, 8, 768, True, False)
+  family = grpo_gsm8k_qwen.get_config("model=qwen3-30b-a3b")
+  assert (family.batch_size, family.group_size, family.optim.base_lr, family.optim.lr_rule) == (1024, 8, 1e-6, "sqrt")
+  assert family.mesh.to_dict() == dict(data=1, fsdp=-1, tensor=1, expert=8)
+  tiny, dense = _model(grpo_gsm8k_qwen, "model=tiny_moe"), _model(grpo_gsm8k_qwen, "model=tiny_random")
+  # Its MLPs: a token's k experts are as wide as tiny_random's SwiGLU.
+  assert tiny.moe_layers == (0, 1) and tiny.num_experts_per_tok * tiny.moe_d_ff == dense.d_ff
+  exp = Experiment.create(grpo_gsm8k_qwen.get_config("model=tiny_moe"), devices=ONE)
+  assert exp.tokenizer.path == grpo_gsm8k_qwen.SAMPLE_TOKENIZER and exp.model_cfg == tiny
+
+
+@pytest.mark.parametrize("arg, sizes", [
+    ("mesh=1x-1x1", (1, -1, 1, 1)), ("mesh=2x4x1", (2, 4, 1, 1)), ("mesh=1x-1x1x8", (1, -1, 1, 8)),
+    ("model=qwen2.5-7b", (-1, 1, 1, 1))])
+def test_gsm8k_mesh_arg_takes_an_optional_expert_factor(arg, sizes):
+  mesh = grpo_gsm8k_qwen.get_config(arg).mesh
+  assert (mesh.data, mesh.fsdp, mesh.tensor, mesh.expert) == sizes
+
+
+def test_mesh_with_expert_axis_and_bad_mesh_args():
+  mesh = sharding.make_mesh(**grpo_gsm8k_qwen.get_config("mesh=1x-1x1x4").mesh)
+  assert dict(mesh.shape) == dict(data=1, fsdp=2, expert=4, tensor=1)
+  assert dict(sharding.make_mesh(**grpo_arith.get_config().mesh).shape) == dict(data=8, fsdp=1, expert=1, tensor=1)
+  with pytest.raises(ValueError, match="write data x fsdp x tensor"):
+    grpo_gsm8k_qwen.get_config("mesh=1x8")
+  with pytest.raises(ValueError, match="must be an integer"):
+    grpo_gsm8k_qwen.get_config("mesh=1xax1")
+
+
+def test_convert_mesh_flag_takes_an_optional_expert_size():
+  assert convert.mesh_sizes(["1", "-1", "1"]) == (1, -1, 1, 1)
+  assert convert.mesh_sizes(["1", "-1", "1", "8"]) == (1, -1, 1, 8)
+  with pytest.raises(app.UsageError, match="data,fsdp,tensor"):
+    convert.mesh_sizes(["1", "8"])
