@@ -74,18 +74,6 @@ def parse(arg: str | None) -> ml_collections.ConfigDict:
   return parse_arg(arg, model="tiny_random", batch=0, prompts=0, lr_rule="sqrt", seed=0, mesh="", debug=False)
 
 
-def mesh_config(mesh: str) -> ml_collections.ConfigDict:
-  """`config.mesh` of 'DxFxT' or 'DxFxTxE': data, fsdp, tensor and optionally expert (default 1) sizes."""
-  sizes = mesh.split("x")
-  if len(sizes) not in (3, 4):
-    raise ValueError(f"mesh={mesh!r}: write data x fsdp x tensor [x expert], e.g. 1x-1x1, 2x4x1 or 1x-1x1x8.")
-  try:
-    data, fsdp, tensor, expert = [int(n) for n in sizes] + [1] * (4 - len(sizes))
-  except ValueError:
-    raise ValueError(f"mesh={mesh!r}: each size must be an integer (-1 takes the remaining devices).") from None
-  return ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor, expert=expert))
-
-
 def batch_size(batch: int, prompts: int, group_size: int, base_batch: int) -> int:
   """Rollouts per step from `batch=` and/or `prompts=` (batch = prompts x group size); `base_batch` without either."""
   if batch and prompts and batch != prompts * group_size:
@@ -112,7 +100,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.
   c.chat_template = "none" if tiny else "auto"  # Prompt wrapping: auto (from the tokenizer) | none | chatml | ...
   c.model = ml_collections.ConfigDict(MODELS[arg.model])
-  c.mesh = mesh_config(arg.mesh or MESHES.get(arg.model, DEFAULT_MESH))
+  c.mesh = ml_collections.ConfigDict(sharding.mesh_sizes(arg.mesh or MESHES.get(arg.model, DEFAULT_MESH)))
   c.sharding_rules = sharding.DEFAULT_RULES
 
   c.group_size = TINY_GROUP_SIZE if tiny else GROUP_SIZE  # The family scales prompts per step (P = B / G).

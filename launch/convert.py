@@ -35,20 +35,15 @@ flags.mark_flags_as_required(["out"])
 FLAGS = flags.FLAGS
 
 
-def mesh_sizes(sizes: list[str]) -> tuple[int, int, int, int]:
-  """(data, fsdp, tensor, expert) of the --mesh list data,fsdp,tensor[,expert]; expert defaults to 1."""
-  if len(sizes) not in (3, 4):
-    raise app.UsageError(f"--mesh={','.join(sizes)}: give data,fsdp,tensor[,expert], e.g. 1,-1,1 or 1,-1,1,8.")
-  return tuple([int(n) for n in sizes] + [1] * (4 - len(sizes)))
-
-
 def main(argv):
   del argv
   if FLAGS.distributed:
     jax.distributed.initialize()
   logs.setup()
-  data, fsdp, tensor, expert = mesh_sizes(FLAGS.mesh)
-  mesh = sharding.make_mesh(data, fsdp, tensor, expert=expert)
+  try:
+    mesh = sharding.make_mesh(**sharding.mesh_sizes(",".join(FLAGS.mesh), sep=","))
+  except ValueError as e:
+    raise app.UsageError(f"--mesh: {e}") from None
   if FLAGS.direction == "import":
     if not FLAGS.hf_dir:
       raise app.UsageError("--direction=import needs --hf_dir.")

@@ -8,7 +8,6 @@ import os
 
 import jax
 import pytest
-from absl import app
 
 from configs import grpo_arith, grpo_gsm8k_qwen
 from jaxrl_batch.config.args import parse_arg
@@ -19,7 +18,6 @@ from jaxrl_batch.study import runner
 from jaxrl_batch.tasks.base import Problem
 from jaxrl_batch.tasks.rewards import safe_rewards
 from jaxrl_batch.train.setup import Experiment
-from launch import convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE = jax.devices()[:1]
@@ -130,14 +128,14 @@ def test_mesh_with_expert_axis_and_bad_mesh_args():
   mesh = sharding.make_mesh(**grpo_gsm8k_qwen.get_config("mesh=1x-1x1x4").mesh)
   assert dict(mesh.shape) == dict(data=1, fsdp=2, expert=4, tensor=1)
   assert dict(sharding.make_mesh(**grpo_arith.get_config().mesh).shape) == dict(data=8, fsdp=1, expert=1, tensor=1)
-  with pytest.raises(ValueError, match="write data x fsdp x tensor"):
+  with pytest.raises(ValueError, match="write dataxfsdpxtensor"):
     grpo_gsm8k_qwen.get_config("mesh=1x8")
   with pytest.raises(ValueError, match="must be an integer"):
     grpo_gsm8k_qwen.get_config("mesh=1xax1")
 
 
-def test_convert_mesh_flag_takes_an_optional_expert_size():
-  assert convert.mesh_sizes(["1", "-1", "1"]) == (1, -1, 1, 1)
-  assert convert.mesh_sizes(["1", "-1", "1", "8"]) == (1, -1, 1, 8)
-  with pytest.raises(app.UsageError, match="data,fsdp,tensor"):
-    convert.mesh_sizes(["1", "8"])
+def test_mesh_sizes_take_an_optional_expert_size_in_either_spelling():
+  assert sharding.mesh_sizes("1x-1x1") == dict(data=1, fsdp=-1, tensor=1, expert=1)
+  assert sharding.mesh_sizes("1,-1,1,8", sep=",") == dict(data=1, fsdp=-1, tensor=1, expert=8)
+  with pytest.raises(ValueError, match="write data,fsdp,tensor"):
+    sharding.mesh_sizes("1,8", sep=",")

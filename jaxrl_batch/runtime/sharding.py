@@ -30,6 +30,20 @@ DEFAULT_RULES = (
 )
 
 
+def mesh_sizes(text: str, sep: str = "x") -> dict[str, int]:
+  """{data, fsdp, tensor, expert} of `text`, 3 or 4 integer sizes joined by `sep` ('1x-1x1', '1,-1,1,8'); expert
+  defaults to 1."""
+  sizes = text.split(sep)
+  if len(sizes) not in (3, 4):
+    raise ValueError(f"mesh {text!r}: write data{sep}fsdp{sep}tensor[{sep}expert], e.g. 1{sep}-1{sep}1 or "
+                     f"1{sep}-1{sep}1{sep}8.")
+  try:
+    values = [int(n) for n in sizes] + [1] * (4 - len(sizes))
+  except ValueError:
+    raise ValueError(f"mesh {text!r}: each size must be an integer (-1 takes the remaining devices).") from None
+  return dict(zip(("data", "fsdp", "tensor", "expert"), values))
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None,
               expert: int = 1) -> Mesh:
   """A (data, fsdp, expert, tensor) mesh over `devices` (default: all); one axis may be -1 to take the remaining
