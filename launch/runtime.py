@@ -4,9 +4,14 @@ On a Cloud TPU pod or under SLURM, `--distributed` alone finds the coordinator a
 (or for several processes on one machine) give `--coordinator`, `--num_processes` and `--process_id`. See
 launch/tpu_pod.sh and launch/slurm_gpu.sbatch.
 """
+import sys
+from collections.abc import Callable
+
 from absl import app, flags, logging
 
 from jaxrl_batch.runtime import distributed
+from jaxrl_batch.runtime.preemption import Stopped
+from jaxrl_batch.train.workdir_lock import WorkdirBusy
 from launch import logs
 
 flags.DEFINE_bool("distributed", False, "Join a multi-process run (jax.distributed.initialize): one mesh over "
@@ -29,3 +34,16 @@ def setup() -> None:
   logs.setup()
   if FLAGS.distributed and not distributed.is_main_process():
     logging.set_verbosity(logging.WARNING)
+
+
+def run_to_exit(work: Callable[[], object]) -> None:
+  """Runs `work()`. A stop on a signal (checkpoint saved) exits with 128 + the signal's number and a workdir held by
+  another process with 1, each after its one-line message; other errors propagate."""
+  try:
+    work()
+  except Stopped as e:
+    logging.warning("%s", e)
+    sys.exit(128 + e.signum)
+  except WorkdirBusy as e:
+    logging.error("%s", e)
+    sys.exit(1)

@@ -30,7 +30,8 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   runtime.setup()
-  run_study(FLAGS.config, FLAGS.workdir, [int(b) for b in FLAGS.batches], FLAGS.rules, FLAGS.seeds, FLAGS.set)
+  runtime.run_to_exit(lambda: run_study(FLAGS.config, FLAGS.workdir, [int(b) for b in FLAGS.batches], FLAGS.rules,
+                                        FLAGS.seeds, FLAGS.set))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ r"""Trains one member of a batch family with GRPO.
   python -m launch.train --config=configs/grpo_arith.py:batch=256,lr_rule=sqrt --workdir=/tmp/b256 \
       --config.sample_budget=81920
 
-Rerunning the same command resumes from the latest checkpoint in --workdir. On many hosts, every process runs the
+Rerunning the same command resumes from the latest checkpoint in --workdir. SIGTERM or Ctrl-C saves a checkpoint
+after the step in progress and exits with 128 + the signal's number (a second signal exits at once); a second
+process on the same --workdir is refused, naming the first. On many hosts, every process runs the
 same command with --distributed (launch/tpu_pod.sh, launch/slurm_gpu.sbatch); --workdir and --config.sft.cache_dir
 must then be on a filesystem every host sees. Two processes on one machine (CPU, 2 devices each):
 
@@ -27,7 +29,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   runtime.setup()
-  Trainer(FLAGS.config, FLAGS.workdir).run()
+  runtime.run_to_exit(lambda: Trainer(FLAGS.config, FLAGS.workdir).run())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,35 @@
-"""Orbax checkpoints: the train state (a pytree of arrays) plus a small JSON record, saved atomically."""
+"""Orbax checkpoints: the train state (a pytree of arrays) plus a small JSON record, saved atomically.
+
+A checkpoint is never saved with non-finite state (`all_finite` is the caller's check), and restoring falls back
+from an unusable latest checkpoint (unreadable, or holding non-finite values) to the newest usable one, setting the
+unusable ones aside under `<directory>_unusable/` (kept, never deleted) so that later saves can take their steps.
+"""
+import logging
 import os
+import shutil
+import time
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+
+class NoUsableCheckpoint(RuntimeError):
+  """Every checkpoint of a directory failed to restore or held non-finite values."""
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+  """Scalar bool: every floating-point leaf of `tree` is finite."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _reason(error: Exception) -> str:
+  first = (str(error).strip().splitlines() or [""])[0]
+  return f"{type(error).__name__}: {first[:300]}"
 
 
 class Checkpointer:
@@ -20,6 +47,9 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def step_path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, state, meta: dict) -> None:
     """Starts an asynchronous save of `state` and `meta` at `step`."""
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -34,6 +64,42 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                    meta=ocp.args.JsonRestore()))
     return restored["state"], restored["meta"]
+
+  def restore_usable(self, abstract_state, problem: Callable[[object], str | None]):
+    """(state, meta) of the newest checkpoint that restores and for which `problem(state)` is None.
+
+    Newer unusable checkpoints are reported by path and moved to `<directory>_unusable/<step>-<time>/`. When none
+    is usable, nothing is moved and NoUsableCheckpoint lists each checkpoint's path and problem.
+    """
+    rejected = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(abstract_state, step)
+        reason = problem(state)
+      except Exception as e:  # noqa: BLE001  (orbax raises many types for a damaged checkpoint)
+        reason = _reason(e)
+      if reason is None:
+        for bad, why in rejected:
+          self._set_aside(bad, why, fallback=step)
+        return state, meta
+      rejected.append((step, reason))
+    listing = "; ".join(f"{self.step_path(s)}: {why}" for s, why in rejected)
+    raise NoUsableCheckpoint(
+        f"No usable checkpoint in {self.directory} ({listing}). Nothing was changed. Restore a copy of the "
+        "directory if you have one, or start over in a new --workdir.")
+
+  def _set_aside(self, step: int, reason: str, fallback: int) -> None:
+    """Moves step's checkpoint out of the managed directory (only process 0 moves files; every process reloads)."""
+    path = self.step_path(step)
+    target = os.path.join(self.directory + "_unusable", f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      shutil.move(path, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
+    logging.warning("Checkpoint %s is unusable (%s): moved to %s; resuming from step %d instead.", path, reason,
+                    target, fallback)
+    self._manager.reload()
 
   def close(self) -> None:
     self._manager.wait_until_finished()

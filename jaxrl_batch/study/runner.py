@@ -4,7 +4,8 @@ A member is given by its fields in the vocabulary every family config accepts (`
 `lr_rule=`, `seed=`): its config is `get_config(base arg + those fields)`, `--set` overrides applied, and the
 `family.Member` derived from it names its run directory `workdir/<rule>_b<batch>_s<seed>/` (its own config.json,
 metrics.jsonl, checkpoints). Every member is built and validated before any trains. Finished members are skipped and
-unfinished ones resume, so rerunning the study command continues where it stopped.
+unfinished ones resume, so rerunning the study command continues where it stopped; a member another process is
+running (its workdir lock is held) is skipped with a warning.
 """
 import importlib.util
 import logging
@@ -19,6 +20,7 @@ from jaxrl_batch.config.args import apply_overrides
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
+from jaxrl_batch.train.workdir_lock import WorkdirBusy
 
 
 def load_config_module(path: str):
@@ -100,7 +102,11 @@ def run_study(config_path: str, workdir: str, batches: list[int], rules: list[st
       logging.info("[%d/%d] %s: finished, skipped.", i + 1, len(todo), member.name)
       continue
     logging.info("[%d/%d] %s: running to %d samples.", i + 1, len(todo), member.name, member.sample_budget)
-    Trainer(config, run_dir, devices=devices).run()
+    try:
+      Trainer(config, run_dir, devices=devices).run()
+    except WorkdirBusy as e:
+      logging.warning("[%d/%d] %s: skipped, another process holds it (%s)", i + 1, len(todo), member.name, e)
+      continue
     done += 1
     remaining = sum(rundir.finished_samples(os.path.join(workdir, m.name)) < m.sample_budget for m, _ in todo)
     logging.info("Study: %d/%d members finished; about %.0f s left.", len(todo) - remaining, len(todo),

@@ -4,11 +4,13 @@
                    num_params, base_policy}; written whole, then renamed, when a run starts from step 0.
   metrics.jsonl   one JSON object per line, appended as the run goes (training rows and evaluation rows, which hold
                    `eval_accuracy`), trimmed on resume to the restored step; non-finite floats are written as null.
-  checkpoints/    orbax checkpoints (`runtime.checkpointing`).
+  checkpoints/    orbax checkpoints (`runtime.checkpointing`); checkpoints_unusable/ holds any set aside on resume.
+  lock            the advisory lock of the process running in it (`train.workdir_lock`): pid, host, start time.
 
 In a multi-process run only process 0 writes; every process may read.
 """
 import json
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from jaxrl_batch.runtime.distributed import is_main_process
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
+LOCK = "lock"
 
 # Config fields that may change when a run resumes; any other difference from config.json is refused.
 RESUMABLE_FIELDS = ("log_every_steps", "eval_every_samples", "checkpoint_every_samples", "sft")
@@ -35,6 +38,10 @@ def metrics_path(run_dir: str) -> str:
 
 def checkpoints_dir(run_dir: str) -> str:
   return os.path.join(run_dir, CHECKPOINTS)
+
+
+def lock_path(run_dir: str) -> str:
+  return os.path.join(run_dir, LOCK)
 
 
 def read_config(run_dir: str) -> dict | None:
@@ -72,15 +79,23 @@ def config_diff(saved: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def iter_metrics(path: str) -> Iterator[tuple[int, dict]]:
-  """(line number, row) of every non-empty line of a metrics.jsonl; ValueError naming the line if one is not JSON."""
+  """(line number, row) of every non-empty line of a metrics.jsonl; ValueError naming the line if one is not JSON.
+
+  A last line without its newline that is not JSON is a row torn by a crash or a full disk (rows are written whole,
+  newline last): it is skipped with a warning; a resumed run drops it and redoes its step.
+  """
   with open(path) as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        yield line_no, json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{line_no} is not a JSON metrics row ({e}). Fix or delete that line.") from e
+    lines = f.readlines()
+  for line_no, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      yield line_no, json.loads(line)
+    except json.JSONDecodeError as e:
+      if line_no == len(lines) and not line.endswith("\n"):
+        logging.warning("%s:%d is a torn last row (%d bytes, no newline): skipped.", path, line_no, len(line))
+        return
+      raise ValueError(f"{path}:{line_no} is not a JSON metrics row ({e}). Fix or delete that line.") from e
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -92,6 +107,20 @@ def read_metrics(run_dir: str) -> list[dict]:
 def finished_samples(run_dir: str) -> int:
   """Cumulative samples of a run's last training row (0 if it has none)."""
   return max((r["samples"] for r in read_metrics(run_dir) if "reward_mean" in r), default=0)
+
+
+def check_resumable(run_dir: str) -> None:
+  """Refuses a run directory whose metrics.jsonl holds rows while its checkpoints/ is gone: with nothing to resume
+  from, the run would start over and erase that log. (An empty checkpoints/ is an attempt that died before its
+  first checkpoint: its rows are redone identically.)"""
+  rows = read_metrics(run_dir) if os.path.exists(metrics_path(run_dir)) else []
+  if rows and not os.path.isdir(checkpoints_dir(run_dir)):
+    last = rows[-1]
+    raise FileNotFoundError(
+        f"{metrics_path(run_dir)} holds {len(rows)} rows (to step {last.get('step')}, {last.get('samples')} "
+        f"samples) but {checkpoints_dir(run_dir)} is gone, so there is nothing to resume from and starting over "
+        "would erase that log. Nothing was changed. To start over here, move metrics.jsonl and config.json out of "
+        "the directory; to keep both runs, use another --workdir.")
 
 
 def _plain(value):

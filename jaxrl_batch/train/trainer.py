@@ -7,6 +7,11 @@ A step crosses between host and device only as `runtime.transfer` names it: prom
 rewards up, and its metrics down once, one step late (fetched after the next step's rollout; at once before an
 evaluation, a checkpoint or the end, and every step under the adaptive KL controller, which needs the step's KL).
 The update is timed to completion (one blocking wait, no transfer) so that the phase clock is exact.
+
+Nothing a run directory holds is lost: one process at a time (`workdir_lock`); SIGTERM or SIGINT checkpoint at the
+next step boundary and stop (`runtime.preemption`); a checkpoint is never saved with non-finite state, and resume
+falls back from an unusable latest checkpoint to the previous one; metrics rows are erased only past a checkpoint
+the run resumes from.
 """
 import json
 import logging
@@ -25,12 +30,14 @@ from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
 from jaxrl_batch.rl.update import Models
 from jaxrl_batch.runtime import transfer
-from jaxrl_batch.runtime.checkpointing import Checkpointer
+from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
+from jaxrl_batch.runtime.preemption import StopSignals, Stopped
 from jaxrl_batch.train import rundir, sft
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.evaluation import eval_accuracy
 from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.setup import Experiment
+from jaxrl_batch.train.workdir_lock import WorkdirLock
 
 
 def _json_config(config: ml_collections.ConfigDict) -> dict:
@@ -65,6 +72,7 @@ class Trainer:
                                             (m.critic_lr, m.critic_adam)) if self.algo.critic else None)
     self.noise_scale = NoiseScale()  # Restarts on resume: an EMA, not part of the training state.
     self.metrics = rundir.MetricsLog(self.workdir)
+    self.lock = WorkdirLock(self.workdir)
     partial = config.get("rollout") is not None and config.rollout.partial
     self.collector = PartialCollector(self.exp) if partial else Collector(self.exp)
     self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
@@ -115,9 +123,8 @@ class Trainer:
     checked = [out["loss"]] + ([out["grad_norm"]] if "grad_norm" in out else [])
     if not all(np.isfinite(checked)):
       raise FloatingPointError(
-          f"Non-finite loss ({out['loss']}) or gradient norm ({out.get('grad_norm')}) at step {row['step']}; stopping "
-          f"before saving, so the last checkpoint in {self.checkpointer.directory} (step "
-          f"{self.checkpointer.latest_step()}) is intact. Lower optim.base_lr / set optim.grad_clip, then rerun.")
+          f"Non-finite loss ({out['loss']}) or gradient norm ({out.get('grad_norm')}) at step {row['step']}. "
+          + self._nan_advice())
     out = {k: float(v) for k, v in out.items()}
     out["updates"] = self.member.updates_per_step
     if "clip_frac_low" in out:
@@ -129,6 +136,12 @@ class Trainer:
     row.setdefault("logp_gap_mean", out.get("logp_gap"))  # Sampler vs trainer, before this step's updates.
     self.kl.update(row["kl"], row.pop("trained_samples"))
     self.metrics.write(row)
+
+  def _nan_advice(self) -> str:
+    return (f"Stopped before saving: the last checkpoint in {self.checkpointer.directory} (step "
+            f"{self.checkpointer.latest_step()}) holds finite state. A rerun here repeats the same steps; to train "
+            f"on, start a new --workdir with a lower optim.base_lr or an optim.grad_clip (this directory's config "
+            f"is fixed).")
 
   def _noise_scale(self, out) -> float | None:
     """B_simple in rollouts (EMA over steps); None without micro-batching (it needs two batch sizes) or while the
@@ -163,8 +176,12 @@ class Trainer:
     exp, algo = self.exp, self.algo
     exp.log_layout()
     logging.info("%s", self.member.describe())
-    self.check_workdir()
+    if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
+      raise FileExistsError(f"--workdir {self.workdir} is a file, not a directory: give a directory path.")
     os.makedirs(self.workdir, exist_ok=True)
+    self.lock.acquire()
+    self.check_workdir()
+    rundir.check_resumable(self.workdir)
     with transfer.scope("base_policy"):  # The warm start (trained or restored) moves whole trees.
       self.graphdef, base_params, base_dir = sft.load_or_train(exp)
     # The reference policy is held only when a KL term exists.
@@ -174,8 +191,9 @@ class Trainer:
     progress = dict(step=0, samples=0, samples_generated=0, wall_s=0.0, kl_coef=algo.kl_coef)
     if self.checkpointer.latest_step() is not None:
       with transfer.scope("restore"):
-        state, meta = self.checkpointer.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding), state))
+        state, meta = self.checkpointer.restore_usable(
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
+            lambda restored: None if bool(all_finite(restored)) else "non-finite parameters or optimizer state")
       if isinstance(self.collector, PartialCollector):
         self.collector.load_state_dict(meta.pop("rollouts"))
       progress.update(meta)
@@ -189,19 +207,25 @@ class Trainer:
     return state, progress
 
   def run(self) -> dict:
-    """Trains to `sample_budget`; returns the last training row and the final eval accuracy."""
-    state, progress = self.start()
+    """Trains to `sample_budget`; returns the last training row and the final eval accuracy. Raises `Stopped`
+    after saving a checkpoint when SIGTERM or SIGINT arrives (`runtime.preemption`), WorkdirBusy when another
+    process holds the workdir."""
     try:
-      return self.loop(state, progress)
+      with StopSignals() as signals:  # Also while a pending save completes: a first signal cannot abandon it.
+        state, progress = self.start()
+        try:
+          return self.loop(state, progress, signals)
+        finally:
+          self.checkpointer.close()  # Also on errors: a pending asynchronous save completes.
     finally:
-      self.checkpointer.close()  # Also on errors and Ctrl-C: pending asynchronous saves complete.
+      self.lock.release()
 
   def _evaluate(self, params) -> float:
     with transfer.scope("eval"):
       return eval_accuracy(self.exp, self.graphdef, params)
 
-  def loop(self, state: dict, progress: dict) -> dict:
-    """Steps from `progress` (see `start`) to the sample budget."""
+  def loop(self, state: dict, progress: dict, signals: StopSignals | None = None) -> dict:
+    """Steps from `progress` (see `start`) to the sample budget, or until `signals` asks to stop."""
     c, exp, m = self.config, self.exp, self.member
     step, samples, generated = progress["step"], progress["samples"], progress["samples_generated"]
     start = time.time()
@@ -227,7 +251,8 @@ class Trainer:
       self._pending = (row, device_metrics)
       crossed = lambda every: every > 0 and samples // every > previous // every
       done = samples >= m.sample_budget
-      evaluate, save = crossed(c.eval_every_samples) or done, crossed(c.checkpoint_every_samples) or done
+      stop = signals is not None and signals.should_stop(step)
+      evaluate, save = crossed(c.eval_every_samples) or done, crossed(c.checkpoint_every_samples) or done or stop
       if evaluate or save or self.kl.target > 0:
         self._flush()
       if evaluate:
@@ -245,7 +270,12 @@ class Trainer:
           meta = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), kl_coef=self.kl.coef)
           if isinstance(self.collector, PartialCollector):
             meta["rollouts"] = self.collector.state_dict()  # The sequences in flight: run state.
+          if not bool(all_finite(state)):
+            raise FloatingPointError(f"The parameters or optimizer state became non-finite at step {step}. "
+                                     + self._nan_advice())
           self.checkpointer.save(step, state, meta)
+      if stop and not done:
+        raise Stopped(signals.signum, step, self.checkpointer.directory)
     self._flush()
     logging.info("Done: %d steps, %d samples (%d generated), final held-out accuracy %s.", step, samples, generated,
                  eval_acc)

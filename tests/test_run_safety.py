@@ -1,0 +1,251 @@
+"""Nothing a run directory holds is lost: the workdir lock, checkpoint integrity and fallback, the metrics log's torn
+tail and missing checkpoints, and SIGTERM saving a real `launch.train` process."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import grpo_arith
+from jaxrl_batch.config.args import apply_overrides
+from jaxrl_batch.rl import learner
+from jaxrl_batch.runtime.checkpointing import Checkpointer, NoUsableCheckpoint, all_finite
+from jaxrl_batch.study.runner import run_study
+from jaxrl_batch.train import rundir
+from jaxrl_batch.train.trainer import Trainer
+from jaxrl_batch.train.workdir_lock import WorkdirBusy, WorkdirLock
+
+ONE = jax.devices()[:1]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def base_cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("base_cache"))
+
+
+# The debug member with one-digit operands and a 2-layer model warm-started longer: unlike the plain debug member
+# (reward 0 on every step, so nothing moves), it earns rewards and updates its parameters from the first steps, so
+# a resume that lost the parameters, the optimizer state or the data position would change the rows.
+LEARNS = ("task.max_digits=1", "task.num_eval=16", "model.d_model=64", "model.num_layers=2", "model.d_ff=128",
+          "sft.steps=300", "sft.lr=0.003", "mesh.data=1")
+
+
+def config(base_cache, sample_budget=192):
+  """6 steps of 32 rollouts by default; checkpoints at steps 2, 4, 6 (the last two kept)."""
+  c = grpo_arith.get_config("debug")
+  apply_overrides(c, [*LEARNS, f"sft.cache_dir={base_cache}", f"sample_budget={sample_budget}"])
+  return c
+
+
+@pytest.fixture(scope="module")
+def finished_run(base_cache, tmp_path_factory):
+  """A finished debug run's directory (copy it before changing anything)."""
+  workdir = str(tmp_path_factory.mktemp("finished") / "run")
+  Trainer(config(base_cache), workdir, devices=ONE).run()
+  return workdir
+
+
+def copy_of(run_dir, tmp_path):
+  target = str(tmp_path / "run")
+  shutil.copytree(run_dir, target)
+  return target
+
+
+KEYS = ("step", "samples", "samples_generated", "reward_mean", "response_len_mean", "grad_norm", "loss",
+        "eval_accuracy")
+
+
+def assert_same_rows(a, b):
+  """The same steps with the same results (timings aside)."""
+  assert [r["step"] for r in a] == [r["step"] for r in b]
+  for key in KEYS:
+    np.testing.assert_allclose([r.get(key, -1) for r in a], [r.get(key, -1) for r in b], rtol=1e-5, err_msg=key)
+
+
+def snapshot(run_dir):
+  """{relative path: bytes} of every file under `run_dir` except the lock."""
+  out = {}
+  for root, _, files in os.walk(run_dir):
+    for name in files:
+      path = os.path.join(root, name)
+      if name != rundir.LOCK:
+        out[os.path.relpath(path, run_dir)] = open(path, "rb").read()
+  return out
+
+
+# -- the workdir lock ------------------------------------------------------------------------------------------------
+
+def test_a_second_holder_is_refused_naming_the_first(tmp_path):
+  with WorkdirLock(str(tmp_path)):
+    with pytest.raises(WorkdirBusy, match=rf"in use by pid {os.getpid()} on host .* \(alive, since"):
+      WorkdirLock(str(tmp_path)).acquire()
+  with WorkdirLock(str(tmp_path)):  # released on exit: free again
+    pass
+
+
+def test_a_killed_holders_lock_is_free_at_once(tmp_path):
+  holder = subprocess.Popen([sys.executable, "-c", (
+      "import sys, time; from jaxrl_batch.train.workdir_lock import WorkdirLock; "
+      f"WorkdirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)")],
+      cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == "held"
+  with pytest.raises(WorkdirBusy, match=f"pid {holder.pid}"):
+    WorkdirLock(str(tmp_path)).acquire()
+  holder.kill()
+  holder.wait()
+  with WorkdirLock(str(tmp_path)):  # the lock file names a dead pid; the kernel released its lock
+    pass
+
+
+def test_trainer_and_study_skip_a_held_workdir_without_touching_it(finished_run, base_cache, tmp_path):
+  workdir = copy_of(finished_run, tmp_path)
+  before = snapshot(workdir)
+  with WorkdirLock(workdir):
+    with pytest.raises(WorkdirBusy, match="use another --workdir"):
+      Trainer(config(base_cache), workdir, devices=ONE).run()
+  assert snapshot(workdir) == before
+  study = tmp_path / "study"
+  member = study / "sqrt_b32_s0"
+  os.makedirs(member)
+  with WorkdirLock(str(member)):
+    run_study("configs/grpo_arith.py:debug", str(study), [32], ["sqrt"], 1,
+              [*LEARNS, f"sft.cache_dir={base_cache}", "sample_budget=64"], devices=ONE)
+  assert os.listdir(member) == [rundir.LOCK]  # skipped: nothing written
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------------------
+
+def test_restore_falls_back_from_unusable_checkpoints_and_sets_them_aside(tmp_path):
+  directory = str(tmp_path / "checkpoints")
+  ckpt = Checkpointer(directory, max_to_keep=3)
+  good = {"w": jnp.arange(4.0)}
+  ckpt.save(1, good, dict(step=1))
+  ckpt.save(2, {"w": jnp.array([0.0, jnp.nan, 1.0, 2.0])}, dict(step=2))
+  ckpt.save(3, good, dict(step=3))
+  ckpt.close()
+  with open(os.path.join(directory, "3", "meta", "metadata"), "w") as f:
+    f.write("{torn")  # step 3's JSON record is damaged
+  check = lambda state: None if bool(all_finite(state)) else "non-finite parameters"
+  abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+  ckpt = Checkpointer(directory, max_to_keep=3)
+  state, meta = ckpt.restore_usable(abstract, check)
+  assert meta == dict(step=1) and np.array_equal(state["w"], good["w"])
+  assert ckpt.latest_step() == 1
+  aside = sorted(os.listdir(directory + "_unusable"))
+  assert [name.split("-")[0] for name in aside] == ["2", "3"]  # kept, not deleted
+  ckpt.save(2, good, dict(step=2))  # the freed step numbers can be saved again
+  ckpt.close()
+
+
+def test_no_usable_checkpoint_is_an_error_naming_each_and_moves_nothing(tmp_path):
+  directory = str(tmp_path / "checkpoints")
+  ckpt = Checkpointer(directory)
+  ckpt.save(1, {"w": jnp.full(3, jnp.inf)}, dict(step=1))
+  ckpt.close()
+  before = snapshot(str(tmp_path))
+  check = lambda state: None if bool(all_finite(state)) else "non-finite parameters"
+  with pytest.raises(NoUsableCheckpoint, match=rf"{directory}/1: non-finite parameters.*Nothing was changed"):
+    Checkpointer(directory).restore_usable({"w": jax.ShapeDtypeStruct((3,), jnp.float32)}, check)
+  assert snapshot(str(tmp_path)) == before
+
+
+def test_a_corrupt_latest_checkpoint_resumes_from_the_previous_to_the_same_rows(finished_run, base_cache, tmp_path):
+  workdir = copy_of(finished_run, tmp_path)
+  latest = os.path.join(workdir, "checkpoints", "6")
+  for root, _, files in os.walk(os.path.join(latest, "state")):
+    for name in files:
+      if not name.endswith(".json") and os.path.getsize(os.path.join(root, name)) > 0:
+        with open(os.path.join(root, name), "r+b") as f:
+          f.truncate(7)  # array data cut short
+  Trainer(config(base_cache), workdir, devices=ONE).run()
+  assert_same_rows(rundir.read_metrics(workdir), rundir.read_metrics(finished_run))  # steps 5 and 6 redone
+  assert os.listdir(os.path.join(workdir, "checkpoints_unusable"))[0].startswith("6-")
+
+
+def test_non_finite_state_is_never_saved(base_cache, tmp_path, monkeypatch):
+  original = learner.update
+  calls = []
+  def poisoned(*args, **kwargs):
+    state, metrics = original(*args, **kwargs)
+    calls.append(1)
+    if len(calls) == 2:  # step 2, a checkpoint step: loss and gradient finite, parameters not
+      state = dict(state, params=jax.tree.map(lambda x: x * jnp.nan, state["params"]))
+    return state, metrics
+  monkeypatch.setattr(learner, "update", poisoned)
+  workdir = str(tmp_path / "run")
+  with pytest.raises(FloatingPointError, match=r"non-finite at step 2\. Stopped before saving.*new --workdir"):
+    Trainer(config(base_cache), workdir, devices=ONE).run()
+  assert Checkpointer(rundir.checkpoints_dir(workdir)).latest_step() is None
+
+
+# -- the metrics log -------------------------------------------------------------------------------------------------
+
+def test_a_torn_last_row_is_dropped_on_resume(finished_run, base_cache, tmp_path):
+  workdir = copy_of(finished_run, tmp_path)
+  with open(rundir.metrics_path(workdir), "a") as f:
+    f.write('{"step": 7, "samp')
+  assert rundir.read_metrics(workdir) == rundir.read_metrics(finished_run)  # readers skip it with a warning
+  Trainer(config(base_cache), workdir, devices=ONE).run()
+  assert open(rundir.metrics_path(workdir)).read() == open(rundir.metrics_path(finished_run)).read()
+  with open(rundir.metrics_path(workdir), "a") as f:
+    f.write('{"step": 7, "samp\n{"step": 8}\n')  # not the last line: an error naming it
+  with pytest.raises(ValueError, match=r"metrics.jsonl:\d+ is not a JSON metrics row"):
+    rundir.read_metrics(workdir)
+
+
+def test_a_log_whose_checkpoints_are_gone_is_refused_without_changes(finished_run, base_cache, tmp_path):
+  workdir = copy_of(finished_run, tmp_path)
+  shutil.rmtree(rundir.checkpoints_dir(workdir))
+  before = snapshot(workdir)
+  with pytest.raises(FileNotFoundError, match=r"holds \d+ rows \(to step 6, 192 samples\) but .*checkpoints is gone"):
+    Trainer(config(base_cache), workdir, devices=ONE).run()
+  assert snapshot(workdir) == before
+
+
+def test_a_workdir_that_is_a_file_is_named(base_cache, tmp_path):
+  path = tmp_path / "file"
+  path.write_text("x")
+  with pytest.raises(FileExistsError, match="is a file, not a directory"):
+    Trainer(config(base_cache), str(path), devices=ONE).run()
+
+
+# -- signals ---------------------------------------------------------------------------------------------------------
+
+def _launch(workdir, base_cache, *extra):
+  cmd = [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:debug", f"--workdir={workdir}",
+         *(f"--config.{o}" for o in LEARNS), f"--config.sft.cache_dir={base_cache}", "--config.sample_budget=640",
+         *extra]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_sigterm_saves_at_the_step_boundary_and_the_rerun_continues_to_the_same_rows(base_cache, tmp_path):
+  straight = str(tmp_path / "straight")
+  Trainer(config(base_cache, sample_budget=640), straight, devices=ONE).run()  # 20 steps, in this process
+  train = [r for r in rundir.read_metrics(straight) if "reward_mean" in r]
+  assert sum(r["grad_norm"] > 0 for r in train) >= len(train) // 2  # it learns: a lost restore would show
+  workdir = tmp_path / "run"
+  proc = _launch(workdir, base_cache)
+  deadline = time.time() + 240
+  while not any(r.get("step", 0) >= 7 for r in rundir.read_metrics(str(workdir))):
+    assert time.time() < deadline and proc.poll() is None, proc.stdout.read()[-3000:]
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+  stopped = max(r["step"] for r in rundir.read_metrics(str(workdir)))
+  assert stopped < 20 and f"Stopped on SIGTERM after saving the checkpoint of step {stopped}" in out
+  assert Checkpointer(rundir.checkpoints_dir(str(workdir))).latest_step() == stopped
+  proc = _launch(workdir, base_cache)
+  out, _ = proc.communicate(timeout=240)
+  assert proc.returncode == 0 and f"Resuming from step {stopped}" in out, out[-3000:]
+  assert_same_rows(rundir.read_metrics(straight), rundir.read_metrics(str(workdir)))
+  assert json.load(open(rundir.config_path(str(workdir))))["derived"]["batch_size"] == 32
