@@ -1,5 +1,7 @@
 """The mixture-of-experts block: routing, the grouped (ragged) dispatch against a dense all-experts reference,
 routing replay, config rules, and the same losses and gradients on 1 and 8 fake devices with experts sharded."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,18 +34,32 @@ def _weights(seed, e=8, d=16, f=8):
           jax.random.normal(k3, (e, f, d)) / 3)
 
 
-def test_grouped_dispatch_matches_dense_reference():
-  x = jax.random.normal(jax.random.key(0), (40, 16))
-  experts = jax.random.randint(jax.random.key(1), (40, 3), 0, 8)  # skewed counts; some experts may get none
-  weights = jax.random.uniform(jax.random.key(2), (40, 3))
+@pytest.mark.parametrize("dispatch, n", [(moe.grouped_swiglu, 40), (moe.looped_swiglu, 40), (moe.looped_swiglu, 2)])
+def test_grouped_and_gathered_dispatch_match_dense_reference(dispatch, n):
+  x = jax.random.normal(jax.random.key(0), (n, 16))
+  experts = jax.random.randint(jax.random.key(1), (n, 3), 0, 8)  # skewed counts; some experts may get none
+  weights = jax.random.uniform(jax.random.key(2), (n, 3))
   w = _weights(3)
-  np.testing.assert_allclose(moe.grouped_swiglu(x, experts, weights, *w), _dense_reference(x, experts, weights, *w),
-                             atol=1e-5)
-  # Experts 2..5 held here: the others contribute nothing, and the two halves sum to the whole.
-  part = [moe.grouped_swiglu(x, experts, weights, *(a[lo:lo + 4] for a in w), first_expert=lo) for lo in (0, 4)]
+  np.testing.assert_allclose(dispatch(x, experts, weights, *w), _dense_reference(x, experts, weights, *w), atol=1e-5)
+  # Experts 4..7 held here: the others contribute nothing, and the two halves sum to the whole.
+  part = [dispatch(x, experts, weights, *(a[lo:lo + 4] for a in w), first_expert=lo) for lo in (0, 4)]
   np.testing.assert_allclose(part[0] + part[1], _dense_reference(x, experts, weights, *w), atol=1e-5)
   held = jnp.where((experts >= 4), weights, 0.0)
   np.testing.assert_allclose(part[1], _dense_reference(x, experts, held, *w), atol=1e-5)
+
+
+def test_decode_loops_over_the_chosen_experts_and_accelerators_group_larger_calls():
+  x, w = jnp.ones((2, 16)), _weights(3)
+  experts, weights = jnp.array([[1, 2, 3], [1, 5, 6]]), jnp.full((2, 3), 0.5)  # 6 assignments <= 8 experts
+  text = jax.jit(moe.expert_swiglu).lower(x, experts, weights, *w).as_text()
+  assert "ragged" not in text and "while" in text and "case" in text  # a loop that skips unchosen experts
+  # 9 assignments > 8 experts: grouped matmuls on GPU and TPU; on CPU, where ragged_dot is a masked dense product
+  # over every expert, the loop again.
+  many = (jnp.ones((3, 16)), jnp.zeros((3, 3), jnp.int32), jnp.ones((3, 3)), *w)
+  assert "while" in jax.jit(moe.expert_swiglu).lower(*many).as_text()
+  for platform in ("tpu", "cuda"):
+    text = jax.export.export(jax.jit(moe.expert_swiglu), platforms=(platform,))(*many).mlir_module()
+    assert "ragged_dot" in text and "while" not in text, platform
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -89,11 +105,12 @@ def test_replaying_own_routing_is_exact_and_other_routing_changes_output_but_tra
 def test_moe_layers_follow_sparse_step_and_dense_layers_and_param_count_is_exact():
   assert CFG.moe_layers == (0, 2)
   assert ModelConfig(**{**CFG.__dict__, "mlp_only_layers": (), "decoder_sparse_step": 2}).moe_layers == (1,)
-  params = nnx.state(_model(), nnx.Param)
+  model = _model()
+  params = nnx.state(model, nnx.Param)
   assert sum(x.size for x in jax.tree.leaves(params)) == CFG.num_params()
   per_expert = 3 * CFG.d_model * CFG.moe_d_ff
   assert CFG.num_params() - CFG.num_params(active=True) == 2 * (8 - 2) * per_expert
-  assert isinstance(_model().blocks[1].mlp, SwiGLU) and isinstance(_model().blocks[0].mlp, moe.MoE)
+  assert isinstance(model.blocks[1].mlp, SwiGLU) and isinstance(model.blocks[0].mlp, moe.MoE)
 
 
 def test_bad_moe_configs_are_refused_by_name():
@@ -114,25 +131,29 @@ def _loss(graphdef, params, tokens, valid):
   return jnp.sum(nll * valid[:, 1:]) / jnp.sum(valid[:, 1:])
 
 
+@functools.cache
+def _loss_and_grads(mesh, rows: int):
+  """(loss, grads, params) of `rows` fixed random rows on `mesh` (cached: the 1-device reference serves every case)."""
+  tokens = jax.random.randint(jax.random.key(6), (rows, 6), 0, CFG.vocab_size)
+  valid = jnp.ones((rows, 6), bool).at[::2, :2].set(False)
+  graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+  rows_sharding = sharding.batch_sharding(mesh) if rows % sharding.data_parallel_size(mesh) == 0 else \
+      sharding.replicated(mesh)
+  batch = jax.device_put((tokens, valid), rows_sharding)
+  with jax.set_mesh(mesh):
+    loss, grads = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)(graphdef, params, *batch)
+  return loss, grads, params
+
+
 @pytest.mark.parametrize("mesh_shape, rows", [((2, 1, 2, 2), 8), ((1, 1, 1, 8), 8), ((1, 1, 2, 4), 2)])
 def test_expert_parallel_mesh_gives_same_loss_and_grads(mesh_shape, rows):
   """(data, fsdp, tensor, expert): tokens gathered over the expert axis; with 2 rows on 4 expert devices the
   tokens are replicated over it instead."""
   assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices"
   assert moe.TOKEN_AXES == sharding.BATCH_AXES
-  tokens = jax.random.randint(jax.random.key(6), (rows, 6), 0, CFG.vocab_size)
-  valid = jnp.ones((rows, 6), bool).at[::2, :2].set(False)
-  results = []
   data, fsdp, tensor, expert = mesh_shape
-  for mesh in (sharding.make_mesh(1, 1, 1, devices=ONE), sharding.make_mesh(data, fsdp, tensor, expert=expert)):
-    graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
-    rows_sharding = sharding.batch_sharding(mesh) if rows % sharding.data_parallel_size(mesh) == 0 else \
-        sharding.replicated(mesh)
-    batch = jax.device_put((tokens, valid), rows_sharding)
-    with jax.set_mesh(mesh):
-      loss, grads = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)(graphdef, params, *batch)
-    results.append((loss, grads, params))
-  (loss1, grads1, _), (loss8, grads8, params8) = results
+  loss1, grads1, _ = _loss_and_grads(sharding.make_mesh(1, 1, 1, devices=ONE), rows)
+  loss8, grads8, params8 = _loss_and_grads(sharding.make_mesh(data, fsdp, tensor, expert=expert), rows)
   w_gate = params8["blocks"][0]["mlp"]["w_gate"]
   assert w_gate.addressable_shards[0].data.shape[0] == CFG.num_experts // expert
   np.testing.assert_allclose(loss1, loss8, rtol=1e-5)
