@@ -165,6 +165,24 @@ def test_unloadable_checkpoints_are_refused_by_name(exported, tmp_path, update, 
     from_pretrained(_edited_copy(exported["qwen2"][2], str(tmp_path / "edited"), update, drop))
 
 
+@pytest.mark.parametrize("keep", [4, 0.9])
+def test_a_truncated_safetensors_file_is_named(exported, tmp_path, keep):
+  out = shutil.copytree(exported["qwen2"][2], str(tmp_path / "cut"))
+  file = os.path.join(out, "model-00002-of-" + sorted(os.listdir(out))[-2].split("-of-")[1])
+  size = os.path.getsize(file)
+  with open(file, "r+b") as f:
+    f.truncate(keep if isinstance(keep, int) else int(size * keep))  # the header cut, or the last tensor's data
+  with pytest.raises(ValueError, match=f"{file}.*(not a readable safetensors file|truncated)"):
+    from_pretrained(out)
+
+
+def test_exported_files_are_readable_by_all(exported):
+  umask = os.umask(0)
+  os.umask(umask)
+  for name in os.listdir(exported["qwen2"][2]):
+    assert os.stat(os.path.join(exported["qwen2"][2], name)).st_mode & 0o777 == 0o666 & ~umask, name
+
+
 def test_convert_cli_then_export_of_a_training_run(exported, tmp_path):
   cfg, params, path = exported["qwen2"]
   source = str(tmp_path / "source")

@@ -217,6 +217,21 @@ def test_a_workdir_that_is_a_file_is_named(base_cache, tmp_path):
     Trainer(config(base_cache), str(path), devices=ONE).run()
 
 
+def test_evaluation_counts_and_logs_reward_errors(base_cache, tmp_path, monkeypatch, caplog):
+  from jaxrl_batch.tasks.arithmetic import ArithmeticTask
+  original = ArithmeticTask.reward
+  def flaky(self, completion, problem):
+    if problem.prompt.startswith("1"):
+      raise RuntimeError("parser exploded")
+    return original(self, completion, problem)
+  monkeypatch.setattr(ArithmeticTask, "reward", flaky)
+  workdir = str(tmp_path / "run")
+  Trainer(config(base_cache, sample_budget=32), workdir, devices=ONE).run()
+  evals = [r for r in rundir.read_metrics(workdir) if "eval_accuracy" in r]
+  assert len(evals) == 2 and all(r["eval_reward_errors"] > 0 for r in evals)
+  assert "Evaluation: the reward function raised on" in caplog.text and "parser exploded" in caplog.text
+
+
 # -- signals ---------------------------------------------------------------------------------------------------------
 
 def _launch(workdir, base_cache, *extra):

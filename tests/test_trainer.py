@@ -22,7 +22,7 @@ TRAIN_FIELDS = {"step", "samples", "samples_generated", "wall_s", "rollout_s", "
                 "response_len_mean", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm",
                 "noise_scale", "zero_std_group_frac", "logp_gap_mean", "returns_mean", "kl_coef"}
 PPO_FIELDS = TRAIN_FIELDS | {"value_loss", "vf_explained_var", "critic_grad_norm"}
-EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy"}
+EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy", "eval_reward_errors"}
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +164,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, ba
     ({"model.vocab_size": 8}, "has 18 ids .* but the model's embedding has only 8 rows"),
     ({"model.num_kv_heads": 3}, "multiple of model.num_kv_heads=3"),
     ({"optim.lr_rule": "cubic"}, "cubic"),
+    ({"eval_every_samples": -64}, r"eval_every_samples=-64 must be >= 0"),
+    ({"checkpoint_every_samples": -1}, r"checkpoint_every_samples=-1 must be >= 0"),
+    ({"log_every_steps": 0}, r"log_every_steps=0 must be >= 1"),
     ({"tokenizer_path": "/nonexistent/x.model"}, "x.model"),
     ({"rollout.partial": True}, "set sampling.engine='continuous'"),
     ({"sampling.engine": "paged"}, "sampling.engine must be one of"),

@@ -240,6 +240,11 @@ def member(config, data_parallel: int = 1) -> Member:
     raise ValueError(f"micro_batch_size={config.micro_batch_size} must divide the mini-batch (batch_size / "
                      f"rl.mini_batches = {mini}) and be divisible by the data-parallel device count {data_parallel};"
                      " 0 uses the whole mini-batch.")
+  for name in ("eval_every_samples", "checkpoint_every_samples"):
+    if config[name] < 0:
+      raise ValueError(f"{name}={config[name]} must be >= 0 (samples between two; 0 = only at the end).")
+  if config.log_every_steps < 1:
+    raise ValueError(f"log_every_steps={config.log_every_steps} must be >= 1 (steps between progress lines).")
   if config.sample_budget < b:
     raise ValueError(f"sample_budget={config.sample_budget} is smaller than one batch ({b} rollouts).")
   actor_lr, actor_adam = optimizer_settings(config.optim, b)

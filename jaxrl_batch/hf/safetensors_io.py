@@ -32,9 +32,17 @@ class Reader:
                               "checkpoint directory saved with safetensors (save_pretrained's default).")
     self._stack = contextlib.ExitStack()
     self._file_of = {}  # what the files hold, whatever the index claims
+    self._path_of = {}
     for file in sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]:
-      handle = self._stack.enter_context(safe_open(os.path.join(directory, file), framework="np"))
+      path = os.path.join(directory, file)
+      try:
+        handle = self._stack.enter_context(safe_open(path, framework="np"))
+      except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+        self._stack.close()
+        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); it may be "
+                         "truncated or still downloading: fetch it again.") from e
       self._file_of.update(dict.fromkeys(handle.keys(), handle))
+      self._path_of.update(dict.fromkeys(handle.keys(), path))
 
   def __enter__(self) -> "Reader":
     return self
@@ -50,7 +58,11 @@ class Reader:
 
   def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
     """Only the block `index` of tensor `name`, in its stored dtype."""
-    return self._file_of[name].get_slice(name)[index]
+    try:
+      return self._file_of[name].get_slice(name)[index]
+    except Exception as e:  # noqa: BLE001
+      raise ValueError(f"Tensor {name} of {self._path_of[name]} cannot be read ({type(e).__name__}: {e}); the file "
+                       "may be truncated: fetch it again.") from e
 
 
 class Entry(NamedTuple):
@@ -59,6 +71,13 @@ class Entry(NamedTuple):
   name: str
   nbytes: int
   fetch: Callable[[], np.ndarray]
+
+
+def _readable_by_all(path: str) -> None:
+  """Gives `path` the mode a plain `open` would (0666 less the umask): safetensors writes 0600."""
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
 
 
 def write(directory: str, entries: Sequence[Entry], max_shard_bytes: int, writer: bool = True) -> None:
@@ -81,6 +100,7 @@ def write(directory: str, entries: Sequence[Entry], max_shard_bytes: int, writer
     tensors = {entry.name: np.ascontiguousarray(entry.fetch()) for entry in shard}
     if writer:
       save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+      _readable_by_all(os.path.join(directory, file))
   if writer and n > 1:
     index = dict(metadata=dict(total_size=sum(e.nbytes for e in entries)),
                  weight_map={e.name: file for file, shard in zip(files, shards) for e in shard})

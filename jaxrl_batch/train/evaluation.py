@@ -1,4 +1,6 @@
 """Held-out evaluation: greedy decoding on the task's fixed eval split."""
+import logging
+
 import jax
 
 from jaxrl_batch.runtime.distributed import to_host
@@ -8,8 +10,9 @@ from jaxrl_batch.tasks.rewards import safe_rewards
 from jaxrl_batch.train.setup import Experiment
 
 
-def eval_accuracy(exp: Experiment, graphdef, params) -> float:
-  """Mean greedy reward (0..1) over the held-out problems."""
+def evaluate(exp: Experiment, graphdef, params) -> dict:
+  """{eval_accuracy: mean greedy reward (0..1), eval_reward_errors: rewards that raised} over the held-out problems;
+  a raising reward scores 0, is counted, and the first error is logged."""
   problems = exp.task.eval_problems()
   dp = data_parallel_size(exp.mesh)
   padded = problems + problems[: (-len(problems)) % dp]
@@ -18,5 +21,13 @@ def eval_accuracy(exp: Experiment, graphdef, params) -> float:
     out = generate(graphdef, params, tokens, valid, jax.random.key(0), max_new_tokens=exp.response_len,
                    eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id, sampling=SamplingParams(temperature=0.0))
   completions = exp.decode_responses(*to_host((out.tokens_BxN, out.mask_BxN)))
-  rewards, _, _ = safe_rewards(exp.task, completions[: len(problems)], problems)
-  return float(rewards.mean())
+  rewards, errors, first = safe_rewards(exp.task, completions[: len(problems)], problems)
+  if errors:
+    logging.warning("Evaluation: the reward function raised on %d of %d held-out problems (scored 0); first: %s",
+                    errors, len(problems), first)
+  return dict(eval_accuracy=float(rewards.mean()), eval_reward_errors=errors)
+
+
+def eval_accuracy(exp: Experiment, graphdef, params) -> float:
+  """Mean greedy reward (0..1) over the held-out problems."""
+  return evaluate(exp, graphdef, params)["eval_accuracy"]

@@ -32,9 +32,8 @@ from jaxrl_batch.rl.update import Models
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
-from jaxrl_batch.train import rundir, sft
+from jaxrl_batch.train import evaluation, rundir, sft
 from jaxrl_batch.train.collector import Collector
-from jaxrl_batch.train.evaluation import eval_accuracy
 from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.train.workdir_lock import WorkdirLock
@@ -220,9 +219,10 @@ class Trainer:
     finally:
       self.lock.release()
 
-  def _evaluate(self, params) -> float:
+  def _evaluate(self, params) -> dict:
+    """{eval_accuracy, eval_reward_errors} of `params` (`train.evaluation.evaluate`)."""
     with transfer.scope("eval"):
-      return eval_accuracy(self.exp, self.graphdef, params)
+      return evaluation.evaluate(self.exp, self.graphdef, params)
 
   def loop(self, state: dict, progress: dict, signals: StopSignals | None = None) -> dict:
     """Steps from `progress` (see `start`) to the sample budget, or until `signals` asks to stop."""
@@ -232,8 +232,9 @@ class Trainer:
     wall = lambda: progress["wall_s"] + time.time() - start
     eval_acc = next((r["eval_accuracy"] for r in reversed(self.metrics.read()) if "eval_accuracy" in r), None)
     if step == 0:
-      eval_acc = self._evaluate(state["params"])
-      self.metrics.write(dict(step=0, samples=0, wall_s=wall(), eval_accuracy=eval_acc))
+      held_out = self._evaluate(state["params"])
+      eval_acc = held_out["eval_accuracy"]
+      self.metrics.write(dict(step=0, samples=0, wall_s=wall(), **held_out))
       logging.info("Step 0: held-out greedy accuracy %.3f (base policy).", eval_acc)
     first_step, row, idle = step, {}, 0
     while samples < m.sample_budget:
@@ -256,8 +257,9 @@ class Trainer:
       if evaluate or save or self.kl.target > 0:
         self._flush()
       if evaluate:
-        eval_acc = self._evaluate(state["params"])
-        self.metrics.write(dict(step=step, samples=samples, wall_s=wall(), eval_accuracy=eval_acc))
+        held_out = self._evaluate(state["params"])
+        eval_acc = held_out["eval_accuracy"]
+        self.metrics.write(dict(step=step, samples=samples, wall_s=wall(), **held_out))
       if step % c.log_every_steps == 0 or done:
         rate = (time.time() - start) / (step - first_step)
         steps_left = math.ceil(max(m.sample_budget - samples, 0) / m.batch_size)
