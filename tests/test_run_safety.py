@@ -236,7 +236,7 @@ def test_evaluation_counts_and_logs_reward_errors(base_cache, tmp_path, monkeypa
 
 def _launch(workdir, base_cache, *extra):
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:debug", f"--workdir={workdir}",
-         *(f"--config.{o}" for o in LEARNS), f"--config.sft.cache_dir={base_cache}", "--config.sample_budget=640",
+         *(f"--config.{o}" for o in LEARNS), f"--config.sft.cache_dir={base_cache}", "--config.sample_budget=320",
          *extra]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -244,20 +244,20 @@ def _launch(workdir, base_cache, *extra):
 
 def test_sigterm_saves_at_the_step_boundary_and_the_rerun_continues_to_the_same_rows(base_cache, tmp_path):
   straight = str(tmp_path / "straight")
-  Trainer(config(base_cache, sample_budget=640), straight, devices=ONE).run()  # 20 steps, in this process
+  Trainer(config(base_cache, sample_budget=320), straight, devices=ONE).run()  # 10 steps, in this process
   train = [r for r in rundir.read_metrics(straight) if "reward_mean" in r]
   assert sum(r["grad_norm"] > 0 for r in train) >= len(train) // 2  # it learns: a lost restore would show
   workdir = tmp_path / "run"
   proc = _launch(workdir, base_cache)
   deadline = time.time() + 240
-  while not any(r.get("step", 0) >= 7 for r in rundir.read_metrics(str(workdir))):
+  while not any(r.get("step", 0) >= 3 for r in rundir.read_metrics(str(workdir))):
     assert time.time() < deadline and proc.poll() is None, proc.stdout.read()[-3000:]
     time.sleep(0.1)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
   stopped = max(r["step"] for r in rundir.read_metrics(str(workdir)))
-  assert stopped < 20 and f"Stopped on SIGTERM after saving the checkpoint of step {stopped}" in out
+  assert stopped < 10 and f"Stopped on SIGTERM after saving the checkpoint of step {stopped}" in out
   assert Checkpointer(rundir.checkpoints_dir(str(workdir))).latest_step() == stopped
   proc = _launch(workdir, base_cache)
   out, _ = proc.communicate(timeout=240)
