@@ -25,6 +25,14 @@ GROUP_SIZE = 8  # Samples per prompt when the family scales prompts per step.
 BASE_PROMPTS = BASE_BATCH // GROUP_SIZE  # Prompts per step when the family scales the group size.
 
 
+# Overrides (`--config.<key>=<value>` or `apply_overrides`) under which the `debug` member learns: one-digit operands,
+# a 2-layer model and a longer warm start earn rewards of 0.1-0.5 and non-zero gradients from the first step, where
+# the plain debug member scores 0 and never moves its parameters. Tests of resume and fault injection use it, so that
+# a lost piece of run state changes the rows.
+DEBUG_LEARNS = ("task.max_digits=1", "task.num_eval=16", "model.d_model=64", "model.num_layers=2", "model.d_ff=128",
+                "sft.steps=300", "sft.lr=0.003")
+
+
 def parse(arg: str | None) -> ml_collections.ConfigDict:
   """The config argument's fields, with defaults."""
   return parse_arg(arg, batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", debug=False, moe=False)

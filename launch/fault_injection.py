@@ -4,8 +4,8 @@ run's (the deterministic fields: steps, samples, rewards, lengths, gradient norm
 
   python -m launch.fault_injection --trials=5 --kills=3 --workdir=/tmp/faults --out=/tmp/faults.json
 
-The member is the arithmetic debug member with one-digit operands and a 2-layer model (`LEARNS`): it earns rewards
-and moves its parameters from the first steps, so a resume that lost any run state would change the rows. Writes
+The member is the arithmetic debug member under `configs/grpo_arith.DEBUG_LEARNS`: it earns rewards and moves its
+parameters from the first steps, so a resume that lost any run state would change the rows. Writes
 --out (JSON): per case what was done, the exit codes, the step resumed from and whether the rows match.
 """
 import json
@@ -19,6 +19,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from configs import grpo_arith
 from jaxrl_batch.train import rundir
 
 flags.DEFINE_string("workdir", None, "Directory of the runs (one subdirectory per case) and the shared base policy.")
@@ -30,8 +31,7 @@ flags.DEFINE_integer("seed", 0, "Seed of the random kill points.")
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
-LEARNS = ("task.max_digits=1", "task.num_eval=16", "model.d_model=64", "model.num_layers=2", "model.d_ff=128",
-          "sft.steps=300", "sft.lr=0.003", "mesh.data=1")
+LEARNS = (*grpo_arith.DEBUG_LEARNS, "mesh.data=1")
 KEYS = ("step", "samples", "samples_generated", "reward_mean", "response_len_mean", "grad_norm", "loss",
         "eval_accuracy")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

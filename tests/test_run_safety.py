@@ -24,18 +24,12 @@ from jaxrl_batch.train.workdir_lock import WorkdirBusy, WorkdirLock
 
 ONE = jax.devices()[:1]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LEARNS = (*grpo_arith.DEBUG_LEARNS, "mesh.data=1")  # the debug member, learning (see configs/grpo_arith.py)
 
 
 @pytest.fixture(scope="module")
 def base_cache(tmp_path_factory):
   return str(tmp_path_factory.mktemp("base_cache"))
-
-
-# The debug member with one-digit operands and a 2-layer model warm-started longer: unlike the plain debug member
-# (reward 0 on every step, so nothing moves), it earns rewards and updates its parameters from the first steps, so
-# a resume that lost the parameters, the optimizer state or the data position would change the rows.
-LEARNS = ("task.max_digits=1", "task.num_eval=16", "model.d_model=64", "model.num_layers=2", "model.d_ff=128",
-          "sft.steps=300", "sft.lr=0.003", "mesh.data=1")
 
 
 def config(base_cache, sample_budget=192):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from configs import grpo_arith, ppo_arith
+from jaxrl_batch.config.args import apply_overrides
 from jaxrl_batch.rl import learner
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer
@@ -30,8 +31,11 @@ def base_cache(tmp_path_factory):
   return str(tmp_path_factory.mktemp("base_cache"))
 
 
-def debug_config(base_cache, module=grpo_arith, **overrides):
+def debug_config(base_cache, module=grpo_arith, learns=False, **overrides):
+  """The debug member (6 steps), under `grpo_arith.DEBUG_LEARNS` if `learns`, with dotted-key `overrides`."""
   c = module.get_config("debug")
+  if learns:
+    apply_overrides(c, list(grpo_arith.DEBUG_LEARNS))
   c.sft.cache_dir = base_cache
   c.sample_budget = 192  # 6 steps of 32 rollouts
   c.mesh.data = 1
@@ -94,7 +98,9 @@ def _straight_and_resumed(tmp_path, monkeypatch, config):
     (ppo_arith, {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}),
 ], ids=["grpo", "ppo_adaptive_kl_dynamic_sampling"])
 def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, module, overrides):
-  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, **overrides))
+  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, True, **overrides))
+  train = [r for r in a if "reward_mean" in r]
+  assert all(r["reward_mean"] > 0 for r in train)  # it learns: a resume that lost run state would change the rows
   assert [r["step"] for r in a] == [r["step"] for r in b]
   # The first training row of each session includes compilation; the analysis leaves its seconds out.
   assert [r["cold"] for r in a if "reward_mean" in r] == [True] + [False] * 5
