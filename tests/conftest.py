@@ -20,3 +20,21 @@ def _release_compiled_programs():
 
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture
+def poison_update(monkeypatch):
+  """`poison_update(n, change)`: the n-th optimizer update (`rl.learner.update`) returns change(state, metrics)."""
+  from jaxrl_batch.rl import learner
+
+  def install(n, change):
+    original, calls = learner.update, []
+
+    def poisoned(*args, **kwargs):
+      out = original(*args, **kwargs)
+      calls.append(1)
+      return change(*out) if len(calls) == n else out
+
+    monkeypatch.setattr(learner, "update", poisoned)
+
+  return install

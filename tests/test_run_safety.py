@@ -15,7 +15,6 @@ import pytest
 
 from configs import grpo_arith
 from jaxrl_batch.config.args import apply_overrides
-from jaxrl_batch.rl import learner
 from jaxrl_batch.runtime.checkpointing import Checkpointer, NoUsableCheckpoint, all_finite
 from jaxrl_batch.study.runner import run_study
 from jaxrl_batch.train import rundir
@@ -164,16 +163,10 @@ def test_a_corrupt_latest_checkpoint_resumes_from_the_previous_to_the_same_rows(
   assert os.listdir(os.path.join(workdir, "checkpoints_unusable"))[0].startswith("6-")
 
 
-def test_non_finite_state_is_never_saved(base_cache, tmp_path, monkeypatch):
-  original = learner.update
-  calls = []
-  def poisoned(*args, **kwargs):
-    state, metrics = original(*args, **kwargs)
-    calls.append(1)
-    if len(calls) == 2:  # step 2, a checkpoint step: loss and gradient finite, parameters not
-      state = dict(state, params=jax.tree.map(lambda x: x * jnp.nan, state["params"]))
-    return state, metrics
-  monkeypatch.setattr(learner, "update", poisoned)
+def test_non_finite_state_is_never_saved(base_cache, tmp_path, poison_update):
+  # Update 2 is a checkpoint step's: its loss and gradient are finite, the parameters it returns are not.
+  poison_update(2, lambda state, metrics: (dict(state, params=jax.tree.map(lambda x: x * jnp.nan, state["params"])),
+                                           metrics))
   workdir = str(tmp_path / "run")
   with pytest.raises(FloatingPointError, match=r"non-finite at step 2\. Stopped before saving.*new --workdir"):
     Trainer(config(base_cache), workdir, devices=ONE).run()

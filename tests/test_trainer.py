@@ -13,7 +13,6 @@ import pytest
 
 from configs import grpo_arith, ppo_arith
 from jaxrl_batch.config.args import apply_overrides
-from jaxrl_batch.rl import learner
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.train.trainer import Trainer
@@ -140,16 +139,8 @@ def test_incompatible_workdir_is_refused_without_changes(tmp_path, base_cache):
   assert open(os.path.join(workdir, "metrics.jsonl")).read() == before
 
 
-def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, base_cache, monkeypatch):
-  original = learner.update
-  calls = []
-  def poisoned(*args, **kwargs):
-    state, metrics = original(*args, **kwargs)
-    calls.append(1)
-    if len(calls) == 4:
-      metrics = dict(metrics, loss=np.float32("nan"))
-    return state, metrics
-  monkeypatch.setattr(learner, "update", poisoned)
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, base_cache, poison_update):
+  poison_update(4, lambda state, metrics: (state, dict(metrics, loss=np.float32("nan"))))
   workdir = str(tmp_path / "run")
   with pytest.raises(FloatingPointError, match=r"at step 4\. Stopped before saving: .*\(step 2\) holds finite state"):
     Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
