@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from absl import app, flags, logging
 
+from jaxrl_batch.config.args import unknown_key
 from jaxrl_batch.runtime import distributed
 from jaxrl_batch.runtime.preemption import Stopped
 from jaxrl_batch.train.workdir_lock import WorkdirBusy
@@ -22,6 +23,22 @@ flags.DEFINE_integer("num_processes", None, "Processes in the run (with --distri
 flags.DEFINE_integer("process_id", None, "This process's rank, 0 .. num_processes-1 (with --distributed; default: "
                      "detected).")
 FLAGS = flags.FLAGS
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`), where a `--config.<key>` override that names no
+  field of the config exits with one line naming it and the closest fields, not ml_collections' traceback."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError):
+    path = next((a.partition("=")[2] for a in argv[1:] if a.startswith("--config=")), None)
+    config = FLAGS["config"].parser.parse(path) if path else None
+    for arg in argv[1:]:
+      key = arg.removeprefix("--config.").partition("=")[0]
+      problem = arg.startswith("--config.") and config is not None and unknown_key(config, key)
+      if problem:
+        sys.exit(f"FATAL Flags parsing error: --config.{key}: {problem} Nothing was run.")
+    raise
 
 
 def setup() -> None:

@@ -22,6 +22,12 @@ def _release_compiled_programs():
   gc.collect()
 
 
+@pytest.fixture(scope="session")
+def base_cache(tmp_path_factory):
+  """One cache of warm-start (SFT) base policies for the whole suite: each config's base is trained once."""
+  return str(tmp_path_factory.mktemp("base_cache"))
+
+
 @pytest.fixture
 def poison_update(monkeypatch):
   """`poison_update(n, change)`: the n-th optimizer update (`rl.learner.update`) returns change(state, metrics)."""

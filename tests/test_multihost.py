@@ -19,8 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One step of 32 rollouts in 2 shuffled mini-batches (so the batch is gathered and re-sharded), without warmup. The
 # base policy has 4 SFT steps and earns no task reward: the overlong penalty gives groups of mixed lengths an
 # advantage, so the step has a policy gradient.
-OVERRIDES = {"mesh.data": -1, "sample_budget": 32, "optim.warmup_samples": 0, "rl.mini_batches": 2,
-             "rl.overlong": "penalty", "sft.steps": 4, "task.num_eval": 16}
+# Adam's first update is about lr * sign(g), so a gradient element of rounding size may move by up to lr in one run
+# and not the other: a small lr keeps that inside the comparison's tolerance.
+OVERRIDES = {"mesh.data": -1, "sample_budget": 32, "optim.warmup_samples": 0, "optim.lr": 2.5e-5,
+             "rl.mini_batches": 2, "rl.overlong": "penalty", "sft.steps": 4, "task.num_eval": 16}
 TIMEOUT_S = 240  # For the processes to finish once the single-process run is done.
 # Reductions over the 4 devices run in another order through gloo: values agree to float32 rounding, not bitwise.
 COMPARED = ("loss", "policy_loss", "entropy", "grad_norm", "returns_mean", "reward_mean", "response_len_mean",

@@ -122,14 +122,14 @@ def test_negative_aux_loss_coef_is_refused():
 
 
 @pytest.mark.parametrize("engine", ["static", "continuous"])
-def test_moe_member_trains_with_routing_replay_and_logs_router_figures(tmp_path, engine):
+def test_moe_member_trains_with_routing_replay_and_logs_router_figures(tmp_path, base_cache, engine):
   import json
   import os
 
   from configs import grpo_arith
   from jaxrl_batch.train.trainer import Trainer
   c = grpo_arith.get_config("debug,moe")
-  c.sft.cache_dir = str(tmp_path / "base")
+  c.sft.update(cache_dir=base_cache, steps=50)  # the router figures need no skill
   c.sample_budget = 64  # 2 steps of 32 rollouts
   c.mesh.data = 1
   c.model.routing_replay = True
@@ -145,11 +145,11 @@ def test_moe_member_trains_with_routing_replay_and_logs_router_figures(tmp_path,
     assert row["router_aux_loss"] > 0
 
 
-def test_routing_replay_with_partial_rollouts_is_refused(tmp_path):
+def test_routing_replay_with_partial_rollouts_is_refused(tmp_path, base_cache):
   from configs import grpo_arith
   from jaxrl_batch.train.trainer import Trainer
   c = grpo_arith.get_config("debug,moe")
-  c.sft.cache_dir = str(tmp_path / "base")
+  c.sft.update(cache_dir=base_cache, steps=50)
   c.mesh.data = 1
   c.model.routing_replay = True
   c.sampling.engine = "continuous"

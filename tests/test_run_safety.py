@@ -23,18 +23,13 @@ from jaxrl_batch.train.workdir_lock import WorkdirBusy, WorkdirLock
 
 ONE = jax.devices()[:1]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEARNS = (*grpo_arith.DEBUG_LEARNS, "mesh.data=1")  # the debug member, learning (see configs/grpo_arith.py)
-
-
-@pytest.fixture(scope="module")
-def base_cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("base_cache"))
+ONE_DEVICE = ("mesh.data=1",)
 
 
 def config(base_cache, sample_budget=192):
   """6 steps of 32 rollouts by default; checkpoints at steps 2, 4, 6 (the last two kept)."""
   c = grpo_arith.get_config("debug")
-  apply_overrides(c, [*LEARNS, f"sft.cache_dir={base_cache}", f"sample_budget={sample_budget}"])
+  apply_overrides(c, [*ONE_DEVICE, f"sft.cache_dir={base_cache}", f"sample_budget={sample_budget}"])
   return c
 
 
@@ -50,17 +45,6 @@ def copy_of(run_dir, tmp_path):
   target = str(tmp_path / "run")
   shutil.copytree(run_dir, target)
   return target
-
-
-KEYS = ("step", "samples", "samples_generated", "reward_mean", "response_len_mean", "grad_norm", "loss",
-        "eval_accuracy")
-
-
-def assert_same_rows(a, b):
-  """The same steps with the same results (timings aside)."""
-  assert [r["step"] for r in a] == [r["step"] for r in b]
-  for key in KEYS:
-    np.testing.assert_allclose([r.get(key, -1) for r in a], [r.get(key, -1) for r in b], rtol=1e-5, err_msg=key)
 
 
 def snapshot(run_dir):
@@ -110,7 +94,7 @@ def test_trainer_and_study_skip_a_held_workdir_without_touching_it(finished_run,
   os.makedirs(member)
   with WorkdirLock(str(member)):
     run_study("configs/grpo_arith.py:debug", str(study), [32], ["sqrt"], 1,
-              [*LEARNS, f"sft.cache_dir={base_cache}", "sample_budget=64"], devices=ONE)
+              [*ONE_DEVICE, f"sft.cache_dir={base_cache}", "sample_budget=64"], devices=ONE)
   assert os.listdir(member) == [rundir.LOCK]  # skipped: nothing written
 
 
@@ -159,7 +143,8 @@ def test_a_corrupt_latest_checkpoint_resumes_from_the_previous_to_the_same_rows(
         with open(os.path.join(root, name), "r+b") as f:
           f.truncate(7)  # array data cut short
   Trainer(config(base_cache), workdir, devices=ONE).run()
-  assert_same_rows(rundir.read_metrics(workdir), rundir.read_metrics(finished_run))  # steps 5 and 6 redone
+  # Steps 5 and 6 are redone.
+  assert rundir.rows_mismatch(rundir.read_metrics(workdir), rundir.read_metrics(finished_run)) is None
   assert os.listdir(os.path.join(workdir, "checkpoints_unusable"))[0].startswith("6-")
 
 
@@ -223,7 +208,7 @@ def test_evaluation_counts_and_logs_reward_errors(base_cache, tmp_path, monkeypa
 
 def _launch(workdir, base_cache, *extra):
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:debug", f"--workdir={workdir}",
-         *(f"--config.{o}" for o in LEARNS), f"--config.sft.cache_dir={base_cache}", "--config.sample_budget=320",
+         *(f"--config.{o}" for o in ONE_DEVICE), f"--config.sft.cache_dir={base_cache}", "--config.sample_budget=320",
          *extra]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -249,5 +234,5 @@ def test_sigterm_saves_at_the_step_boundary_and_the_rerun_continues_to_the_same_
   proc = _launch(workdir, base_cache)
   out, _ = proc.communicate(timeout=240)
   assert proc.returncode == 0 and f"Resuming from step {stopped}" in out, out[-3000:]
-  assert_same_rows(rundir.read_metrics(straight), rundir.read_metrics(str(workdir)))
+  assert rundir.rows_mismatch(rundir.read_metrics(straight), rundir.read_metrics(str(workdir))) is None
   assert json.load(open(rundir.config_path(str(workdir))))["derived"]["batch_size"] == 32

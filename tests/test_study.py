@@ -24,9 +24,9 @@ ONE = jax.devices()[:1]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  """`--set` of an SFT cache shared by every run of the module (one warm start per model)."""
-  return f"sft.cache_dir={tmp_path_factory.mktemp('base')}"
+def cache(base_cache):
+  """`--set` of the suite's SFT cache (one warm start per model)."""
+  return f"sft.cache_dir={base_cache}"
 
 
 @pytest.fixture(scope="module")

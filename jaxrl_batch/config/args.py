@@ -3,6 +3,8 @@
 Types come from the defaults; unknown keys and values of the wrong type are errors; a bare `name` sets a bool
 default to True.
 """
+import difflib
+
 import ml_collections
 
 
@@ -38,17 +40,31 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(values)
 
 
+def unknown_key(config: ml_collections.ConfigDict, key: str) -> str | None:
+  """Why the dotted `key` names no field of `config` (its closest fields, or the group's), or None if it does."""
+  node, path = config, key.split(".")
+  for depth, name in enumerate(path):
+    where = ".".join(path[:depth]) or "the config"
+    if not isinstance(node, ml_collections.ConfigDict):
+      return f"{where!r} is not a config group; it holds a {type(node).__name__}."
+    if name not in node:
+      close = difflib.get_close_matches(name, list(node.keys()), n=3)
+      hint = f"did you mean {', '.join(close)}?" if close else f"{where} holds {', '.join(sorted(node.keys()))}."
+      return f"unknown config key {key!r}: {where} has no field {name!r}; {hint}"
+    node = node[name]
+  return None
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
   """Applies 'a.b.c=value' strings in place; the key must exist and the value parses as its current type."""
   for item in overrides:
     key, sep, text = item.partition("=")
     if not sep:
       raise ValueError(f"Override {item!r} must look like key=value (e.g. sample_budget=4096).")
+    problem = unknown_key(config, key.strip())
+    if problem:
+      raise ValueError(f"Override {item!r}: {problem}")
     node, path = config, key.strip().split(".")
     for name in path[:-1]:
-      if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
-        raise ValueError(f"Override {item!r}: {name!r} is not a config group.")
       node = node[name]
-    if path[-1] not in node:
-      raise ValueError(f"Override {item!r}: unknown config key {key!r}.")
     node[path[-1]] = convert(key, text.strip(), node[path[-1]])

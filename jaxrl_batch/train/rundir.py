@@ -109,6 +109,23 @@ def finished_samples(run_dir: str) -> int:
   return max((r["samples"] for r in read_metrics(run_dir) if "reward_mean" in r), default=0)
 
 
+# Fields of a metrics row that the config and seed determine (timings excluded): a resumed run must reproduce them.
+REPRODUCIBLE_FIELDS = ("step", "samples", "samples_generated", "reward_mean", "response_len_mean", "grad_norm", "loss",
+                       "kl_coef", "value_loss", "eval_accuracy")
+
+
+def rows_mismatch(a: list[dict], b: list[dict], fields=REPRODUCIBLE_FIELDS, rtol: float = 1e-5) -> str | None:
+  """The first difference between two runs' rows (their sequence of steps, then each of `fields` to `rtol`; a field
+  absent or null counts as -1), or None when they match."""
+  if [r["step"] for r in a] != [r["step"] for r in b]:
+    return f"steps differ: {[r['step'] for r in a]} vs {[r['step'] for r in b]}"
+  for key in fields:
+    x, y = ([-1.0 if r.get(key) is None else r[key] for r in rows] for rows in (a, b))
+    if not np.allclose(x, y, rtol=rtol):
+      return f"{key} differs: {x} vs {y}"
+  return None
+
+
 def check_resumable(run_dir: str) -> None:
   """Refuses a run directory whose metrics.jsonl holds rows while its checkpoints/ is gone: with nothing to resume
   from, the run would start over and erase that log. (An empty checkpoints/ is an attempt that died before its

@@ -78,6 +78,7 @@ class Trainer:
     self.checkpointer: Checkpointer | None = None  # Opened by `run`, with the base policy and the learner.
     self.graphdef = self.ref_params = self.learner = None
     self._pending = None  # (host part of a training row, its device metrics): written once fetched.
+    self._warned_uniform = False
 
   # -- run directory ---------------------------------------------------------------------------------------------
 
@@ -134,7 +135,21 @@ class Trainer:
     row.setdefault("kl", 0.0)
     row.setdefault("logp_gap_mean", out.get("logp_gap"))  # Sampler vs trainer, before this step's updates.
     self.kl.update(row["kl"], row.pop("trained_samples"))
+    self._warn_if_uniform(row)
     self.metrics.write(row)
+
+  def _warn_if_uniform(self, row: dict) -> None:
+    """Warns, once per process, when the policy's mean token entropy is within 5% of ln V (V = vocabulary rows): a
+    policy collapsed to uniform, which samples noise and rarely recovers; a learning rate far too high does this."""
+    max_entropy = math.log(self.exp.model_cfg.vocab_size)
+    if self._warned_uniform or row.get("entropy") is None or row["entropy"] < 0.95 * max_entropy:
+      return
+    self._warned_uniform = True
+    logging.warning(
+        "Step %d: the policy's token entropy %.3f nats is %.0f%% of ln V = %.3f, the entropy of a uniform policy: it "
+        "has collapsed and samples noise (lr %.3g). Such a run rarely recovers: stop it and start a new --workdir "
+        "with a lower optim.base_lr (or optim.lr) or a tighter optim.grad_clip.", row["step"], row["entropy"],
+        100 * row["entropy"] / max_entropy, max_entropy, row["lr"])
 
   def _nan_advice(self) -> str:
     return (f"Stopped before saving: the last checkpoint in {self.checkpointer.directory} (step "
