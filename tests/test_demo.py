@@ -5,9 +5,10 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_notebook_runs_reduced(tmp_path, monkeypatch):
+def test_demo_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
   monkeypatch.chdir(ROOT)
   monkeypatch.setenv("JAXRL_BATCH_DEMO_DIR", str(tmp_path / "study"))
+  monkeypatch.setenv("JAXRL_BATCH_DEMO_BASE", base_cache)
   monkeypatch.delenv("JAXRL_BATCH_DEMO_FULL", raising=False)
   with open(os.path.join(ROOT, "demos", "batch_family_study.ipynb")) as f:
     notebook = json.load(f)

@@ -1,6 +1,5 @@
 """Nothing a run directory holds is lost: the workdir lock, checkpoint integrity and fallback, the metrics log's torn
 tail and missing checkpoints, and SIGTERM saving a real `launch.train` process."""
-import json
 import os
 import shutil
 import signal
@@ -204,35 +203,53 @@ def test_evaluation_counts_and_logs_reward_errors(base_cache, tmp_path, monkeypa
   assert "Evaluation: the reward function raised on" in caplog.text and "parser exploded" in caplog.text
 
 
-# -- signals ---------------------------------------------------------------------------------------------------------
+# -- signals and kills ----------------------------------------------------------------------------------------------
 
-def _launch(workdir, base_cache, *extra):
+def _launch(workdir, base_cache):
+  """`launch.train` of the debug member for 10 steps on one device."""
   cmd = [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:debug", f"--workdir={workdir}",
-         *(f"--config.{o}" for o in ONE_DEVICE), f"--config.sft.cache_dir={base_cache}", "--config.sample_budget=320",
-         *extra]
+         "--config.mesh.data=1", f"--config.sft.cache_dir={base_cache}", "--config.sample_budget=320"]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def test_sigterm_saves_at_the_step_boundary_and_the_rerun_continues_to_the_same_rows(base_cache, tmp_path):
+def _wait_for(proc, done, what):
+  deadline = time.time() + 240
+  while not done():
+    assert time.time() < deadline and proc.poll() is None, f"no {what}: " + proc.stdout.read()[-3000:]
+    time.sleep(0.1)
+
+
+def _saved_steps(workdir):
+  """Steps of the committed checkpoints (orbax renames a step's directory to its number when the save is done)."""
+  return [int(d) for d in os.listdir(rundir.checkpoints_dir(str(workdir))) if d.isdigit()]
+
+
+def test_sigterm_then_kill_9_then_rerun_give_the_uninterrupted_rows(base_cache, tmp_path):
   straight = str(tmp_path / "straight")
   Trainer(config(base_cache, sample_budget=320), straight, devices=ONE).run()  # 10 steps, in this process
   train = [r for r in rundir.read_metrics(straight) if "reward_mean" in r]
   assert sum(r["grad_norm"] > 0 for r in train) >= len(train) // 2  # it learns: a lost restore would show
   workdir = tmp_path / "run"
+
+  # SIGTERM: the step in progress ends, its checkpoint is saved, exit 128 + 15.
   proc = _launch(workdir, base_cache)
-  deadline = time.time() + 240
-  while not any(r.get("step", 0) >= 3 for r in rundir.read_metrics(str(workdir))):
-    assert time.time() < deadline and proc.poll() is None, proc.stdout.read()[-3000:]
-    time.sleep(0.1)
+  _wait_for(proc, lambda: any(r.get("step", 0) >= 3 for r in rundir.read_metrics(str(workdir))), "step 3")
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
   stopped = max(r["step"] for r in rundir.read_metrics(str(workdir)))
   assert stopped < 10 and f"Stopped on SIGTERM after saving the checkpoint of step {stopped}" in out
   assert Checkpointer(rundir.checkpoints_dir(str(workdir))).latest_step() == stopped
+
+  # The rerun resumes there; kill -9 once it has saved a later checkpoint.
+  proc = _launch(workdir, base_cache)
+  _wait_for(proc, lambda: max(_saved_steps(workdir)) > stopped, "later checkpoint")
+  proc.send_signal(signal.SIGKILL)
+  out, _ = proc.communicate(timeout=60)
+  assert f"Resuming from step {stopped}" in out, out[-3000:]
+
   proc = _launch(workdir, base_cache)
   out, _ = proc.communicate(timeout=240)
-  assert proc.returncode == 0 and f"Resuming from step {stopped}" in out, out[-3000:]
+  assert proc.returncode == 0 and "Resuming from step" in out, out[-3000:]
   assert rundir.rows_mismatch(rundir.read_metrics(straight), rundir.read_metrics(str(workdir))) is None
-  assert json.load(open(rundir.config_path(str(workdir))))["derived"]["batch_size"] == 32
