@@ -71,6 +71,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Device mesh (runtime.sharding.make_mesh); -1 takes the rest. `expert` splits MoE experts (and the batch).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
   c.sharding_rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes.
+  # Generation on devices of its own (needs rl.max_staleness >= 1): the last `devices` devices, with this mesh
+  # shape, sample while the others train; 0 = colocated (generation and update share the mesh).
+  c.rollout_mesh = ml_collections.ConfigDict(dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1))
 
   c.algo = "grpo"  # RL algorithm: grpo (critic-free) | ppo (critic + GAE; see configs/ppo_arith.py).
   c.batch_size = arg.batch or BASE_BATCH  # B: rollouts per step (= prompts per step x group_size).
@@ -189,6 +192,9 @@ def rl_config() -> ml_collections.ConfigDict:
       mini_batches=1,  # Optimizer updates per pass (the batch is shuffled and split into this many).
       old_logp="sampler",  # The ratio's denominator: sampler (behaviour log-probs) | trainer (recomputed).
       tis_cap=0.0,  # Truncated importance sampling min(pi_trainer / pi_sampler, cap) on the loss; 0 = off.
+      # Asynchronous RL: generation runs up to this many steps ahead of the learner (a step's rollouts come from the
+      # policy of that many steps before; 0 = synchronous). Pair it with old_logp='trainer' and a tis_cap.
+      max_staleness=0,
       dynamic_sampling=False,  # Drop groups whose rewards are all equal and refill the batch (DAPO).
       max_sampling_rounds=3,  # Bound on sampling rounds per step under dynamic sampling.
       overlong="none",  # Truncated responses: none | mask (out of the loss) | penalty (reward offset).

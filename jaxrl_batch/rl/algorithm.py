@@ -37,6 +37,7 @@ class AlgoConfig:
   mini_batches: int = 1
   old_logp: str = "sampler"
   tis_cap: float = 0.0
+  max_staleness: int = 0
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 3
   overlong: str = "none"
@@ -119,6 +120,9 @@ class AlgoConfig:
     need(self.tis_cap == 0 or (self.tis_cap >= 1 and self.old_logp == "trainer"),
          f"rl.tis_cap={self.tis_cap}: truncated importance sampling reweights by pi_trainer / pi_sampler, so it "
          "needs rl.old_logp='trainer' and a cap >= 1 (2 is usual), or 0 to disable.")
+    need(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+         f"rl.max_staleness={self.max_staleness}: steps generation may run ahead of the learner, an integer >= 0 "
+         "(0 = synchronous).")
     need(self.max_sampling_rounds >= 1, "rl.max_sampling_rounds must be >= 1.")
     need(self.overlong in ("none", "mask", "penalty"), f"rl.overlong={self.overlong!r}: none | mask | penalty.")
     need(self.overlong_buffer >= 0 and self.overlong_penalty >= 0,

@@ -13,6 +13,7 @@ next step boundary and stop (`runtime.preemption`); a checkpoint is never saved 
 falls back from an unusable latest checkpoint to the previous one; metrics rows are erased only past a checkpoint
 the run resumes from.
 """
+import copy
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ from jaxrl_batch.runtime import transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
 from jaxrl_batch.train import evaluation, rundir, sft
+from jaxrl_batch.train.async_collector import AsyncCollector
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.setup import Experiment
@@ -56,13 +58,32 @@ METRIC_KEYS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_l
                "router_aux_loss")
 
 
+def _split_devices(config: ml_collections.ConfigDict, devices) -> tuple[list, Experiment | None]:
+  """(the learner's devices, the rollout's `Experiment` or None when colocated). `config.rollout_mesh.devices` = n
+  > 0 gives the last n devices to generation, with the mesh shape of `rollout_mesh`'s data/fsdp/tensor/expert."""
+  devices = list(devices or jax.devices())
+  rollout = config.get("rollout_mesh")
+  n = rollout.devices if rollout is not None else 0
+  if not n:
+    return devices, None
+  if config.rl.get("max_staleness", 0) < 1:
+    raise ValueError(f"rollout_mesh.devices={n} generates on devices of its own, so generation must run ahead of "
+                     "the learner: set rl.max_staleness >= 1, or rollout_mesh.devices=0 (colocated).")
+  if not 0 < n < len(devices):
+    raise ValueError(f"rollout_mesh.devices={n} of {len(devices)} devices: leave at least one to the learner.")
+  rollout_config = copy.deepcopy(config)
+  rollout_config.mesh.update({k: rollout[k] for k in ("data", "fsdp", "tensor", "expert")})
+  return devices[:-n], Experiment.create(rollout_config, devices=devices[-n:])
+
+
 class Trainer:
   """Runs one member of a batch family to its sample budget in `workdir` (resuming if it holds a checkpoint)."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None):
     self.config = config
     self.workdir = os.path.abspath(workdir)
-    self.exp = Experiment.create(config, devices=devices)
+    learner_devices, rollout_exp = _split_devices(config, devices)
+    self.exp = Experiment.create(config, devices=learner_devices)
     self.member = m = self.exp.member
     self.algo = m.algo
     self.optimizer = make_optimizer(config.optim, m.batch_size, m.sample_budget, m.updates_per_step,
@@ -73,12 +94,26 @@ class Trainer:
     self.metrics = rundir.MetricsLog(self.workdir)
     self.lock = WorkdirLock(self.workdir)
     partial = config.get("rollout") is not None and config.rollout.partial
-    self.collector = PartialCollector(self.exp) if partial else Collector(self.exp)
+    if partial and self.algo.max_staleness:
+      raise ValueError("rollout.partial with rl.max_staleness > 0: partial rollouts already let generation run "
+                       "ahead (rollout.max_lookahead); use one of the two.")
+    if partial:
+      self.collector = PartialCollector(self.exp)
+    elif self.algo.max_staleness:
+      self.collector = AsyncCollector(Collector(rollout_exp or self.exp), self.algo.max_staleness,
+                                      lambda step: self.learner.orders(step, m.batch_size), self.exp.mesh)
+    else:
+      self.collector = Collector(self.exp)
     self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
     self.checkpointer: Checkpointer | None = None  # Opened by `run`, with the base policy and the learner.
     self.graphdef = self.ref_params = self.learner = None
     self._pending = None  # (host part of a training row, its device metrics): written once fetched.
     self._warned_uniform = False
+
+  @property
+  def _carries_rollouts(self) -> bool:
+    """Whether rollouts in flight are run state (partial rollouts, or generation ahead of the learner)."""
+    return isinstance(self.collector, PartialCollector | AsyncCollector)
 
   # -- run directory ---------------------------------------------------------------------------------------------
 
@@ -208,7 +243,7 @@ class Trainer:
         state, meta = self.checkpointer.restore_usable(
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
             lambda restored: None if bool(all_finite(restored)) else "non-finite parameters or optimizer state")
-      if isinstance(self.collector, PartialCollector):
+      if self._carries_rollouts:
         self.collector.load_state_dict(meta.pop("rollouts"))
       progress.update(meta)
       self.metrics.truncate_after(progress["step"])
@@ -230,6 +265,8 @@ class Trainer:
         try:
           return self.loop(state, progress, signals)
         finally:
+          if isinstance(self.collector, AsyncCollector):
+            self.collector.close()
           self.checkpointer.close()  # Also on errors: a pending asynchronous save completes.
     finally:
       self.lock.release()
@@ -251,7 +288,7 @@ class Trainer:
       eval_acc = held_out["eval_accuracy"]
       self.metrics.write(dict(step=0, samples=0, wall_s=wall(), **held_out))
       logging.info("Step 0: held-out greedy accuracy %.3f (base policy).", eval_acc)
-    first_step, row, idle = step, {}, 0
+    first_step, row, idle, last_wall = step, {}, 0, wall()
     while samples < m.sample_budget:
       state, row, device_metrics = self._train_step(state, step)
       trained = row["trained_samples"]
@@ -264,6 +301,11 @@ class Trainer:
       generated += row.pop("samples_generated")
       row = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), cold=step == first_step + 1,
                  **row)
+      if isinstance(self.collector, AsyncCollector):
+        # Generation (of a later step) and the update ran at once for this share of the step's wall time.
+        step_s, last_wall = row["wall_s"] - last_wall, row["wall_s"]
+        busy = row["rollout_s"] + row["reward_s"] + row["update_s"]
+        row["overlap_frac"] = min(max((busy - step_s) / step_s, 0.0), 1.0)
       self._pending = (row, device_metrics)
       crossed = lambda every: every > 0 and samples // every > previous // every
       done = samples >= m.sample_budget
@@ -285,8 +327,8 @@ class Trainer:
       if save:
         with transfer.scope("checkpoint"):
           meta = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), kl_coef=self.kl.coef)
-          if isinstance(self.collector, PartialCollector):
-            meta["rollouts"] = self.collector.state_dict()  # The sequences in flight: run state.
+          if self._carries_rollouts:
+            meta["rollouts"] = self.collector.state_dict()  # The sequences or batches in flight: run state.
           if not bool(all_finite(state)):
             raise FloatingPointError(f"The parameters or optimizer state became non-finite at step {step}. "
                                      + self._nan_advice())

@@ -1,0 +1,130 @@
+"""Asynchronous RL: generation runs up to k = `rl.max_staleness` steps ahead of the learner.
+
+At step s the learner trains on the rollouts of step s while a host thread generates and scores those of step s + k
+with the policy published after step s. Colocated (the collector's mesh is the learner's), the programs share the
+devices and the host work (decoding responses, scoring them) overlaps the update; disaggregated (`rollout_mesh`:
+disjoint devices), generation and update run at once, the policy is resharded onto the rollout devices when
+published and the rollouts copied to the learner's when done. Step s's rollouts were therefore sampled by
+the policy of step s - k (of step 0 for the first k steps): its policy lag is min(s, k) steps, or that many times B
+rollouts (`policy_lag_samples_mean`). k = 0 is the synchronous loop (`train.collector.Collector`, no thread).
+
+The rollouts in flight (steps s+1 .. s+k at a checkpoint after step s) and the policy version that sampled each are
+run state (`state_dict`): a resumed run trains on the very rollouts the uninterrupted one did. The learner corrects
+for the lag with the loss's importance weights (`rl.old_logp='trainer'` with `rl.tis_cap`, the decoupled PPO
+objective; see `rl.update`).
+"""
+import concurrent.futures
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_batch.runtime import sharding, transfer
+from jaxrl_batch.train.collector import Collector, Rollouts
+
+# Rollouts fields saved with a checkpoint, and their dtypes (experts_BxTxLxK: int32 or absent).
+_FIELDS = {"prompt_BxP": np.int32, "prompt_valid_BxP": bool, "tokens_BxN": np.int32, "logprobs_BxN": np.float32,
+           "mask_BxN": bool, "rewards_B": np.float32, "trained_B": bool, "experts_BxTxLxK": np.int32}
+
+
+class AsyncCollector:
+  """`Collector.collect` with generation `max_staleness` steps ahead, on one host thread."""
+
+  def __init__(self, collector: Collector, max_staleness: int, orders_for, learner_mesh: jax.sharding.Mesh):
+    """`collector` generates on its experiment's mesh; `learner_mesh` is the update's. `orders_for(step)`: the host
+    mini-batch orders of `step` (`Learner.orders`), uploaded with the step's KL coefficient."""
+    if max_staleness < 1:
+      raise ValueError(f"max_staleness={max_staleness}: the asynchronous collector runs >= 1 step ahead.")
+    if jax.process_count() > 1:
+      raise ValueError("rl.max_staleness > 0 generates on a host thread, whose collectives would interleave with "
+                       "the learner's across processes: run it in one process (any number of devices), or set "
+                       "rl.max_staleness=0.")
+    self.collector, self.k, self.orders_for = collector, max_staleness, orders_for
+    self.exp, self.mesh = collector.exp, learner_mesh
+    self.colocated = collector.exp.mesh == learner_mesh
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+    self._queue: dict[int, tuple[int, object]] = {}  # step -> (policy version, Future or restored host batch)
+    self._last_end = None  # When the generator finished its previous batch (for update_wait_s).
+
+  def _generate(self, graphdef, params, step: int) -> tuple:
+    """On the generator thread: the step's rollouts, orders and statistics, and how long it waited for work."""
+    start = time.time()
+    idle = 0.0 if self._last_end is None else max(start - self._last_end, 0.0)
+    rollouts, _, _, stats = self.collector.collect(graphdef, params, step, 0.0, [])
+    if not self.colocated:  # Onto the learner's devices (device to device).
+      rollouts = jax.device_put(rollouts, jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, x.ndim), rollouts))
+    rollouts = jax.block_until_ready(rollouts)
+    self._last_end = time.time()
+    return rollouts, dict(stats, update_wait_s=idle)
+
+  def _publish(self, params):
+    """The policy for the generator: a copy on the learner's devices (the update donates its state), or the policy
+    resharded onto the rollout devices (the same partition specs over the rollout mesh)."""
+    if self.colocated:
+      return jax.tree.map(jnp.copy, params)
+    rollout_mesh = self.exp.mesh
+    return jax.device_put(params, jax.tree.map(
+        lambda x: jax.sharding.NamedSharding(rollout_mesh, x.sharding.spec), params))
+
+  def collect(self, graphdef, params, step: int, kl_coef: float, orders=None):
+    """Like `Collector.collect` for `step`, from the queue; first tops the queue up to step + k with `params`
+    published (copied: the update donates its state) as policy version `step`. `orders` is ignored (the queue's
+    were drawn by `orders_for`)."""
+    del orders
+    published = None
+    for t in range(step, step + self.k + 1):
+      if t not in self._queue:
+        if published is None:
+          published = self._publish(params)
+        self._queue[t] = (step, self._pool.submit(self._generate, graphdef, published, t))
+    version, item = self._queue.pop(step)
+    t0 = time.time()
+    if isinstance(item, concurrent.futures.Future):
+      rollouts, stats = item.result()
+    else:
+      rollouts, stats = self._upload(item)
+    waited = time.time() - t0
+    orders = self.orders_for(step)
+    replicated = sharding.replicated(self.mesh)
+    device_kl_coef, device_orders = transfer.to_device("kl_orders", (np.float32(kl_coef), orders),
+                                                       (replicated, [replicated] * len(orders)))
+    lag = step - version
+    stats = dict(stats, rollout_wait_s=waited, policy_version=version, policy_lag_mean=float(lag),
+                 policy_lag_max=lag, policy_lag_samples_mean=float(lag * self.exp.member.batch_size))
+    return rollouts, device_kl_coef, device_orders, stats
+
+  def _upload(self, saved: dict):
+    """A restored batch back on the learner's devices, as the generator had left it."""
+    arrays = {k: np.asarray(v, _FIELDS[k]) for k, v in saved["arrays"].items()}
+    device = transfer.to_device("restore", arrays,
+                                {k: sharding.batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()})
+    return Rollouts(**{k: device.get(k) for k in _FIELDS}), dict(saved["stats"])
+
+  def state_dict(self) -> dict:
+    """The JSON-able run state: each batch in flight (waited for), its step, policy version, arrays and
+    statistics."""
+    batches = []
+    for t in sorted(self._queue):
+      version, item = self._queue[t]
+      if isinstance(item, concurrent.futures.Future):
+        rollouts, stats = item.result()
+        fields = {k: v for k, v in rollouts._asdict().items() if v is not None}
+        arrays = {k: v.tolist() for k, v in transfer.to_host("checkpoint_rollouts", fields).items()}
+        item = dict(arrays=arrays, stats={k: v.item() if isinstance(v, np.generic) else v for k, v in stats.items()})
+        self._queue[t] = (version, item)
+      batches.append(dict(step=t, version=version, **item))
+    return dict(max_staleness=self.k, batches=batches)
+
+  def load_state_dict(self, state: dict) -> None:
+    if state["max_staleness"] != self.k:
+      raise ValueError(f"The checkpoint holds rollouts of rl.max_staleness={state['max_staleness']}, this run has "
+                       f"{self.k}: resume with the saved config.")
+    self._queue = {b["step"]: (b["version"], dict(arrays=b["arrays"], stats=b["stats"])) for b in state["batches"]}
+
+  def close(self) -> None:
+    """Stops the generator thread: batches not started are dropped, the one running completes."""
+    for _, item in self._queue.values():
+      if isinstance(item, concurrent.futures.Future):
+        item.cancel()
+    self._pool.shutdown(wait=True)
