@@ -5,6 +5,8 @@ r"""Runs a batch family at equal sample budgets: every rule x batch x seed in it
   python -m launch.analyze --workdir=/tmp/arith_study --target=0.9
   python -m launch.study --config=configs/grpo_gsm8k_qwen.py:model=tiny_random --batches=16,32 --rules=sqrt \
       --workdir=/tmp/gsm8k_tiny_study   # a CPU smoke study of two members
+  python -m launch.study --config=configs/grpo_arith.py --batches=128,256 --rules=sqrt --staleness=0,1,2,4 \
+      --set=rl.old_logp=trainer --set=rl.tis_cap=2 --workdir=/tmp/arith_staleness   # asynchronous RL
 
 Each member's config is the config file's get_config(base args + batch=B,lr_rule=R,seed=S), the arguments every
 family config accepts. Rerunning the command skips finished members and resumes unfinished ones. Without
@@ -22,6 +24,8 @@ flags.DEFINE_string("workdir", None, "Study directory; one subdirectory per memb
 flags.DEFINE_list("batches", [], "Rollouts per update of each member (default: the config's sweep()).")
 flags.DEFINE_list("rules", [], "Learning-rate rules: none, linear, sqrt, adam_sde (default: the config's sweep()).")
 flags.DEFINE_integer("seeds", 1, "Seeds per member (0 .. seeds-1).")
+flags.DEFINE_list("staleness", ["0"], "rl.max_staleness of the members: steps generation runs ahead of the learner "
+                  "(0 = synchronous); a further axis of the study.")
 flags.DEFINE_multi_string("set", [], "key=value override applied to every member (repeatable).")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
@@ -31,7 +35,7 @@ def main(argv):
   del argv
   runtime.setup()
   runtime.run_to_exit(lambda: run_study(FLAGS.config, FLAGS.workdir, [int(b) for b in FLAGS.batches], FLAGS.rules,
-                                        FLAGS.seeds, FLAGS.set))
+                                        FLAGS.seeds, FLAGS.set, staleness=[int(k) for k in FLAGS.staleness]))
 
 
 if __name__ == "__main__":

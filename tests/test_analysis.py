@@ -20,21 +20,24 @@ MEMBER_FIELDS = {
     "batch", "rule", "samples_to_target", "samples_to_target_ci", "time_to_target_s", "time_to_target_ci",
     "throughput_samples_per_s", "throughput_ci", "rollout_s_per_sample", "reward_s_per_sample",
     "update_s_per_sample", "gain", "penalty", "predicted_time_ratio", "measured_time_ratio", "verdict",
-    "invariance_gap", "n_seeds", "n_censored", "seeds"}
+    "invariance_gap", "n_seeds", "n_censored", "seeds", "staleness"}
 
 
-def write_run(root, rule, batch, evals, seed=0, budget=1024, steps=None, name=None):
-  """A run dir with evaluation points `evals` [(samples, accuracy)] and `steps` training rows (default: budget)."""
-  run_dir = root / (name or f"{rule}_b{batch}_s{seed}")
+def write_run(root, rule, batch, evals, seed=0, budget=1024, steps=None, name=None, staleness=0, speed=1.0):
+  """A run dir with evaluation points `evals` [(samples, accuracy)] and `steps` training rows (default: budget);
+  `staleness` > 0 writes rl.max_staleness, `speed` divides every step's seconds."""
+  run_dir = root / (name or f"{rule}_b{batch}" + (f"_k{staleness}" if staleness else "") + f"_s{seed}")
   run_dir.mkdir()
   config = dict(config=dict(batch_size=batch, seed=seed, sample_budget=budget, optim=dict(lr_rule=rule)),
                 derived=dict(lr=1e-4))
+  if staleness:
+    config["config"]["rl"] = dict(max_staleness=staleness)
   (run_dir / "config.json").write_text(json.dumps(config))
   rows = []
   for step in range(1, (steps or budget // batch) + 1):
     rollout = STEP_S[0] + (COMPILE_S if step == 1 else 0.0)
-    rows.append(dict(step=step, samples=step * batch, wall_s=0.5 * step, rollout_s=rollout, reward_s=STEP_S[1],
-                     update_s=STEP_S[2], reward_mean=0.5))
+    rows.append(dict(step=step, samples=step * batch, wall_s=0.5 * step, rollout_s=rollout / speed,
+                     reward_s=STEP_S[1] / speed, update_s=STEP_S[2] / speed, reward_mean=0.5))
   rows += [dict(step=s // batch, samples=s, wall_s=0.0, eval_accuracy=a) for s, a in evals]
   rows.sort(key=lambda r: (r["samples"], "eval_accuracy" in r))
   (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -134,6 +137,28 @@ def test_decision_faster_and_slower(tmp_path):
   report = (tmp_path / "report.md").read_text()
   assert "The fastest to accuracy 0.6 is sqrt_b128" in report
   assert "Are the un-retuned (`none`) larger batches slower? yes: none_b256 slower (1.33x)." in report
+
+
+def test_staleness_members_are_decided_against_their_synchronous_batch(tmp_path):
+  write_run(tmp_path, "sqrt", 64, reaching(384), budget=2560)  # R = 128, S = 384.
+  write_run(tmp_path, "sqrt", 64, reaching(448), budget=2560, staleness=1, speed=1.5)  # penalty 7/6 < gain 1.5
+  write_run(tmp_path, "sqrt", 64, reaching(640), budget=2560, staleness=2, speed=1.5)  # penalty 5/3 > gain 1.5
+  write_run(tmp_path, "sqrt", 128, reaching(512), budget=2560)
+  analysis = analyze(str(tmp_path), target=0.6)
+  assert analysis["reference"] == "sqrt_b64"  # the synchronous member, not an asynchronous one of the same batch
+  # Family ranges are over synchronous members: the asynchronous ones at batch 64 do not stand for batch 64.
+  assert analysis["families"]["sqrt"] == dict(reference_batch=64, range=[64, 64])
+  assert by_name(analysis)["sqrt_b64_k2"]["invariance_gap"] > analysis["invariance_tol"]
+  [batch] = analysis["staleness"]
+  assert (batch["synchronous"], batch["absorbs"]) == ("sqrt_b64", 1)
+  k1, k2 = batch["levels"]
+  assert (k1["member"], k1["gain"], k1["penalty"], k1["verdict"]) == ("sqrt_b64_k1", pytest.approx(1.5),
+                                                                      pytest.approx(7 / 6), "faster")
+  assert k1["measured_time_ratio"] == pytest.approx(7 / 9)
+  assert (k2["member"], k2["penalty"], k2["verdict"]) == ("sqrt_b64_k2", pytest.approx(5 / 3), "slower")
+  assert k1["gap"] == pytest.approx(by_name(analysis)["sqrt_b64_k1"]["staleness_gap"]) and 0 < k1["gap"] < k2["gap"]
+  report = (tmp_path / "report.md").read_text()
+  assert "`sqrt_b64` absorbs staleness up to k = 1" in report and "| sqrt_b64_k2 | 2 |" in report
 
 
 def test_invariance_gap_and_family_range(tmp_path):

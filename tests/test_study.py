@@ -82,6 +82,16 @@ def test_member_config_derives_from_the_family():
   assert study.config_arg("debug,batch=8", fields) == "debug,batch=8,batch=256,lr_rule=none,seed=2"
 
 
+def test_staleness_is_an_axis_of_members():
+  module = study.load_config_module(CONFIG)
+  fields = study.member_fields(module, [32], ["sqrt"], 1, staleness=[0, 2])
+  assert fields == [dict(batch=32, lr_rule="sqrt", seed=0), dict(batch=32, lr_rule="sqrt", seed=0, staleness=2)]
+  members = [study.derive(study.member_config(module, "debug", f), f, ONE) for f in fields]
+  assert [(m.name, m.algo.max_staleness) for m in members] == [("sqrt_b32_s0", 0), ("sqrt_b32_k2_s0", 2)]
+  with pytest.raises(ValueError, match="staleness >= 0"):
+    study.member_fields(module, [32], ["sqrt"], 1, staleness=[-1])
+
+
 @pytest.mark.parametrize("body, batches, message", [
     ("c = grpo_gsm8k_qwen.get_config(arg)", [16, 18], "batch_size=18 must be a positive multiple of group_size=4"),
     ("c = grpo_arith.get_config(arg); c.sample_budget = 4 * c.batch_size", [16, 32],

@@ -7,7 +7,10 @@
   penalty / predicted / measured None) if either member has no seed reaching the target. gain is always given.
 - Family range of a rule: starting at its batch nearest B0, the contiguous run of its batches whose invariance gap
   (mean |accuracy - reference accuracy| over shared samples) is <= the tolerance; None if that first batch is over.
-The default reference is the smallest batch of the `sqrt` rule, else the smallest batch overall.
+The default reference is the smallest synchronous batch of the `sqrt` rule, else the smallest synchronous batch.
+- Staleness (asynchronous members, `rl.max_staleness` = k > 0): each is also decided against the synchronous member
+  of its rule and batch; a batch absorbs staleness up to the largest k whose penalty stays <= its gain, every smaller
+  k included.
 """
 import re
 
@@ -17,12 +20,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def choose_reference(summaries: list[dict], reference: str | None) -> dict:
-  """The reference member's summary: `reference` ('<rule>_b<batch>') or the default."""
+  """The reference member's summary: `reference` ('<rule>_b<batch>[_k<staleness>]') or the default."""
   names = [m["member"] for m in summaries]
   if reference is None:
     sqrt = [m for m in summaries if m["rule"] == "sqrt"]
-    return min(sqrt or summaries, key=lambda m: (m["batch"], m["rule"]))
-  if not re.fullmatch(r"\w+_b\d+", reference):
+    return min(sqrt or summaries, key=lambda m: (m.get("staleness", 0), m["batch"], m["rule"]))
+  if not re.fullmatch(r"\w+_b\d+(_k\d+)?", reference):
     raise ValueError(f"reference {reference!r} is not '<rule>_b<batch>' (e.g. 'sqrt_b64'); members: {names}.")
   if reference not in names:
     raise ValueError(f"reference {reference!r} is not in the study; pick one of {names}.")
@@ -42,6 +45,28 @@ def decide(member: dict, ref: dict) -> dict:
     verdict = "faster" if measured < 1 else "slower"
   return dict(gain=gain, penalty=penalty, predicted_time_ratio=penalty / gain, measured_time_ratio=measured,
               verdict=verdict)
+
+
+def staleness(summaries: list[dict]) -> list[dict]:
+  """Per (rule, batch) that has asynchronous members and a synchronous one: each k > 0 decided against the
+  synchronous member (`decide`), with its invariance gap to it (the summaries' `staleness_gap`), and `absorbs`:
+  the largest k up to which every level's penalty <= gain (0: already the smallest exceeds it or is censored)."""
+  out = []
+  for sync in (m for m in summaries if m.get("staleness", 0) == 0):
+    stale = sorted((m for m in summaries if m["rule"] == sync["rule"] and m["batch"] == sync["batch"]
+                    and m.get("staleness", 0) > 0), key=lambda m: m["staleness"])
+    if not stale:
+      continue
+    levels, absorbs, within = [], 0, True
+    for m in stale:
+      d = decide(m, dict(sync, member=None))  # member=None: never the "reference" verdict
+      levels.append(dict(member=m["member"], staleness=m["staleness"], gap=m.get("staleness_gap"), **d))
+      within = within and d["penalty"] is not None and d["penalty"] <= d["gain"]
+      if within:
+        absorbs = m["staleness"]
+    out.append(dict(rule=sync["rule"], batch=sync["batch"], synchronous=sync["member"], levels=levels,
+                    absorbs=absorbs))
+  return out
 
 
 def family_range(gaps: dict[int, float | None], reference_batch: int, tol: float) -> list[int] | None:

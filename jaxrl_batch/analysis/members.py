@@ -55,14 +55,15 @@ def _mean(values: list[float]) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class MemberResults:
-  """The results of one member (rule, batch) of a study: its seeds' `SeedResult`s and their aggregate."""
+  """The results of one member (rule, batch, staleness) of a study: its seeds' `SeedResult`s and their aggregate."""
   rule: str
   batch: int
   seeds: tuple[SeedResult, ...]
+  staleness: int = 0
 
   @property
   def name(self) -> str:
-    return f"{self.rule}_b{self.batch}"
+    return self.seeds[0].run.member
 
   @functools.cached_property
   def curve(self) -> curves.Curve:
@@ -85,7 +86,7 @@ class MemberResults:
     rates = [r.throughput for r in self.seeds]
     rollout, reward, update = np.mean([r.seconds_per_sample for r in self.seeds], axis=0)
     return dict(
-        member=self.name, rule=self.rule, batch=self.batch,
+        member=self.name, rule=self.rule, batch=self.batch, staleness=self.staleness,
         samples_to_target=_mean(s), samples_to_target_ci=bootstrap.mean_ci(s),
         time_to_target_s=_mean(t), time_to_target_ci=bootstrap.mean_ci(t),
         throughput_samples_per_s=_mean(rates), throughput_ci=bootstrap.mean_ci(rates),
@@ -93,8 +94,11 @@ class MemberResults:
         n_seeds=len(self.seeds), n_censored=len(self.seeds) - len(reached))
 
 
+def _member_key(result: SeedResult) -> tuple[str, int, int]:
+  return result.run.rule, result.run.batch, result.run.staleness
+
+
 def group(results: list[SeedResult]) -> list[MemberResults]:
-  """Members of `results`, sorted by rule then batch."""
-  keys = sorted({(r.run.rule, r.run.batch) for r in results})
-  return [MemberResults(rule, batch, tuple(r for r in results if (r.run.rule, r.run.batch) == (rule, batch)))
-          for rule, batch in keys]
+  """Members of `results`, sorted by rule, batch, then staleness."""
+  return [MemberResults(rule, batch, tuple(r for r in results if _member_key(r) == (rule, batch, k)), k)
+          for rule, batch, k in sorted({_member_key(r) for r in results})]

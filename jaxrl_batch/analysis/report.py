@@ -75,6 +75,24 @@ def conclusion(analysis: dict) -> str:
   return " ".join(_families(analysis) + [_best(analysis, ref), _untuned(analysis, ref)])
 
 
+def staleness_section(analysis: dict) -> str:
+  """Markdown: per (rule, batch) with asynchronous members, each staleness against the synchronous member, and how
+  much staleness the batch absorbs."""
+  lines = ["## Staleness (asynchronous RL)",
+           "Each `rl.max_staleness` = k > 0 member against the synchronous member of its rule and batch; gap: mean "
+           f"|accuracy difference| to that member's curve (invariance tolerance {analysis['invariance_tol']}).",
+           "| member | k | gain | penalty | predicted | measured | verdict | gap |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for batch in analysis["staleness"]:
+    for level in batch["levels"]:
+      lines.append(" | ".join([f"| {level['member']}", str(level["staleness"]), _ratio(level["gain"]),
+                               _ratio(level["penalty"]), _ratio(level["predicted_time_ratio"]),
+                               _ratio(level["measured_time_ratio"]), level["verdict"], _num(level["gap"], 2)]) + " |")
+  summary = [f"`{b['synchronous']}` absorbs staleness up to k = {b['absorbs']} (samples penalty <= throughput gain)."
+             for b in analysis["staleness"]]
+  return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n\n" + " ".join(summary)
+
+
 def render(analysis: dict) -> str:
   """The whole report.md."""
   parts = [
@@ -84,6 +102,7 @@ def render(analysis: dict) -> str:
       "(measured < 1: faster). Censored: no seed reached the target.",
       decision_table(analysis),
       conclusion(analysis),
+      *([staleness_section(analysis)] if analysis.get("staleness") else []),
       "## Definitions\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in analysis["definitions"].items()),
   ]
   if analysis["skipped"]:

@@ -1,6 +1,7 @@
-"""Reads a study directory: one run per subdirectory `<rule>_b<batch>_s<seed>/` written by `launch.train`.
+"""Reads a study directory: one run per subdirectory `<rule>_b<batch>[_k<staleness>]_s<seed>/` written by
+`launch.train`.
 
-Batch, rule and seed come from each run's `config.json` (the directory name is only a label); both files are read
+Batch, rule, staleness (`rl.max_staleness`, 0 when absent) and seed come from each run's `config.json` (the directory name is only a label); both files are read
 through `train.rundir`. Subdirectories without `config.json` or `metrics.jsonl`, or whose log has fewer than 2
 training rows or no evaluation row yet, are skipped and listed with the reason; anything malformed is an error naming
 the file (and line).
@@ -32,6 +33,7 @@ class Run:
     train_samples: (N,) cumulative samples after each training step, increasing; N >= 2.
     phase_s: (N, 3) seconds of each step in rollout / reward / update.
     cold: (N,) bool, rows that include compilation (first of a run or of a resumed session).
+    staleness: `config.rl.max_staleness` (steps generation ran ahead of the learner; 0 = synchronous).
   """
   name: str
   rule: str
@@ -43,20 +45,22 @@ class Run:
   train_samples: np.ndarray
   phase_s: np.ndarray
   cold: np.ndarray
+  staleness: int = 0
 
   @property
   def member(self) -> str:
-    return f"{self.rule}_b{self.batch}"
+    return f"{self.rule}_b{self.batch}" + (f"_k{self.staleness}" if self.staleness else "")
 
   @property
   def finished(self) -> bool:
     return bool(self.train_samples[-1] >= self.sample_budget)
 
 
-def _read_config(run_dir: str) -> tuple[str, int, int, int]:
+def _read_config(run_dir: str) -> tuple[str, int, int, int, int]:
   try:
     config = rundir.read_config(run_dir)["config"]
-    return config["optim"]["lr_rule"], int(config["batch_size"]), int(config["seed"]), int(config["sample_budget"])
+    return (config["optim"]["lr_rule"], int(config["batch_size"]), int(config["seed"]), int(config["sample_budget"]),
+            int(config.get("rl", {}).get("max_staleness", 0)))
   except (json.JSONDecodeError, KeyError, TypeError) as e:
     raise ValueError(f"{rundir.config_path(run_dir)} is not a launch.train config.json (needs config.batch_size, "
                      f"config.seed, config.sample_budget, config.optim.lr_rule): {e!r}. Remove the run or rewrite "
@@ -92,7 +96,7 @@ def read_run(run_dir: str, name: str) -> Run | str:
   missing = [os.path.basename(p) for p in (rundir.config_path(run_dir), metrics_path) if not os.path.isfile(p)]
   if missing:
     return f"no {' or '.join(missing)}"
-  rule, batch, seed, budget = _read_config(run_dir)
+  rule, batch, seed, budget, staleness = _read_config(run_dir)
   train, evals = _read_rows(metrics_path)
   if len(train) < 2:
     return f"{len(train)} training rows (needs 2: the first is excluded as compile time)"
@@ -103,7 +107,7 @@ def read_run(run_dir: str, name: str) -> Run | str:
             eval_accuracy=np.array([r["accuracy"] for r in evals]),
             train_samples=np.array([r["samples"] for r in train]),
             phase_s=np.array([r["phases"] for r in train]),
-            cold=np.array([r["cold"] for r in train]) | clock.first_row_cold(len(train)))
+            cold=np.array([r["cold"] for r in train]) | clock.first_row_cold(len(train)), staleness=staleness)
   _increasing(run.eval_samples, metrics_path, "evaluation")
   _increasing(run.train_samples, metrics_path, "training")
   if np.any(run.phase_s < 0) or run.phase_s[~run.cold].sum() <= 0:
@@ -126,13 +130,13 @@ def load_study(study_dir: str) -> tuple[list[Run], list[dict]]:
     if isinstance(run, str):
       skipped.append(dict(dir=name, reason=run))
       continue
-    key = (run.rule, run.batch, run.seed)
+    key = (run.rule, run.batch, run.staleness, run.seed)
     if key in seen:
       raise ValueError(f"{seen[key]} and {name} in {study_dir} are the same run (rule {run.rule}, batch {run.batch}, "
-                       f"seed {run.seed}); remove one or give them different seeds.")
+                       f"staleness {run.staleness}, seed {run.seed}); remove one or give them different seeds.")
     seen[key] = name
     runs.append(run)
   if not runs:
     raise ValueError(f"No runs in {study_dir}: expected subdirectories <rule>_b<batch>_s<seed>/ holding config.json "
                      f"and metrics.jsonl (launch.train --workdir=...); skipped: {skipped or 'nothing found'}.")
-  return sorted(runs, key=lambda r: (r.rule, r.batch, r.seed)), skipped
+  return sorted(runs, key=lambda r: (r.rule, r.batch, r.staleness, r.seed)), skipped

@@ -18,7 +18,7 @@ DEFINITIONS = {
     "time_to_target_s": "T: the training clock at S, linearly interpolated in samples between training rows",
     "throughput_samples_per_s": "R: samples of training rows except the first / their summed phase seconds; "
                                 "<phase>_s_per_sample splits 1/R into rollout, reward, update",
-    "aggregate": "member = (rule, batch); S and T are means over seeds that reached the target, R the mean over "
+    "aggregate": "member = (rule, batch, staleness); S and T are means over seeds that reached the target, R the mean over "
                  "all seeds; *_ci: 90% percentile bootstrap over seeds (2000 resamples, fixed seed), [x, x] for "
                  "one seed",
     "decision": "against the reference member: gain = R/R0, penalty = S/S0, predicted_time_ratio = penalty/gain, "
@@ -26,7 +26,11 @@ DEFINITIONS = {
                 "member never reached the target",
     "invariance_gap": "mean |seed-mean accuracy - reference seed-mean accuracy| over the samples both cover",
     "family_range": "per rule, the contiguous batches around the reference batch with invariance_gap <= "
-                    "invariance_tol",
+                    "invariance_tol (synchronous members)",
+    "staleness": "per (rule, batch) with asynchronous members (rl.max_staleness = k > 0): each k decided against "
+                 "the synchronous member of that rule and batch (gain, penalty, time ratios, verdict), gap = its "
+                 "invariance gap to that member's curve, absorbs = the largest k up to which every level's "
+                 "penalty <= gain",
 }
 
 
@@ -43,10 +47,11 @@ def analyze(study_dir: str, target: float, reference: str | None = None, smooth:
   """Analyses every run under `study_dir` at accuracy `target`; writes and returns analysis.json's content.
 
   Args:
-    study_dir: directory of run subdirectories `<rule>_b<batch>_s<seed>/` (config.json, metrics.jsonl).
+    study_dir: directory of run subdirectories `<rule>_b<batch>[_k<staleness>]_s<seed>/` (config.json,
+      metrics.jsonl).
     target: held-out accuracy (0..1) to reach.
-    reference: member '<rule>_b<batch>' the others are compared with; None: the smallest `sqrt` batch, else the
-      smallest batch.
+    reference: member '<rule>_b<batch>[_k<staleness>]' the others are compared with; None: the smallest synchronous
+      `sqrt` batch, else the smallest synchronous batch.
     smooth: odd number of evaluation points in the centred moving average (1 = none).
     invariance_tol: largest invariance gap (accuracy units) of a batch inside its rule's family range.
   """
@@ -56,16 +61,21 @@ def analyze(study_dir: str, target: float, reference: str | None = None, smooth:
   summaries = [m.summary() for m in study]
   ref = decision.choose_reference(summaries, reference)
   ref_member = next(m for m in study if m.name == ref["member"])
+  synchronous = {(m.rule, m.batch): m for m in study if m.staleness == 0}
   for member, summary in zip(study, summaries):
     summary.update(decision.decide(summary, ref), invariance_gap=mean_abs_gap(member.curve, ref_member.curve),
                    seeds=[r.to_json() for r in member.seeds])
+    sync = synchronous.get((member.rule, member.batch))
+    if member.staleness and sync is not None:
+      summary["staleness_gap"] = mean_abs_gap(member.curve, sync.curve)
   families = {}
   for rule in sorted({m.rule for m in study}):
-    gaps = {s["batch"]: s["invariance_gap"] for s in summaries if s["rule"] == rule}
+    gaps = {s["batch"]: s["invariance_gap"] for s in summaries if s["rule"] == rule and not s["staleness"]}
     families[rule] = dict(reference_batch=ref["batch"],
                           range=decision.family_range(gaps, ref["batch"], invariance_tol))
   analysis = dict(target=target, reference=ref["member"], smooth=smooth, invariance_tol=invariance_tol,
-                  definitions=DEFINITIONS, members=summaries, families=families, skipped=skipped)
+                  definitions=DEFINITIONS, members=summaries, families=families,
+                  staleness=decision.staleness(summaries), skipped=skipped)
   analysis["files"] = ["analysis.json", "report.md"] + plots.write(study, summaries, target, study_dir)
   with open(os.path.join(study_dir, "analysis.json"), "w") as f:
     json.dump(analysis, f, indent=2)

@@ -168,8 +168,10 @@ class Member:
 
   @property
   def name(self) -> str:
-    """The member's directory name in a study: '<rule>_b<batch>_s<seed>'."""
-    return f"{self.rule}_b{self.batch_size}_s{self.seed}"
+    """The member's directory name in a study: '<rule>_b<batch>_s<seed>', '<rule>_b<batch>_k<k>_s<seed>' when
+    generation runs k = rl.max_staleness steps ahead."""
+    stale = f"_k{self.algo.max_staleness}" if self.algo.max_staleness else ""
+    return f"{self.rule}_b{self.batch_size}{stale}_s{self.seed}"
 
   @property
   def updates_per_step(self) -> int:

@@ -35,9 +35,9 @@ def load_config_module(path: str):
   return module
 
 
-def member_fields(module, batches: list[int], rules: list[str], num_seeds: int) -> list[dict]:
-  """dict(batch, lr_rule, seed) of every rule x batch x seed; empty `batches`/`rules` take the values of the
-  members listed by the config's `sweep()`."""
+def member_fields(module, batches: list[int], rules: list[str], num_seeds: int, staleness=(0,)) -> list[dict]:
+  """dict(batch, lr_rule, seed[, staleness]) of every rule x batch x staleness x seed (staleness given when > 0);
+  empty `batches`/`rules` take the values of the members listed by the config's `sweep()`."""
   if not batches or not rules:
     if not hasattr(module, "sweep"):
       raise ValueError("Give --batches and --rules: the config file has no sweep() to take them from.")
@@ -46,18 +46,24 @@ def member_fields(module, batches: list[int], rules: list[str], num_seeds: int) 
     rules = rules or list(dict.fromkeys(m["lr_rule"] for m in swept))
   if num_seeds < 1:
     raise ValueError(f"--seeds={num_seeds}: run at least one seed.")
-  return [dict(batch=b, lr_rule=r, seed=s) for r in rules for b in batches for s in range(num_seeds)]
+  if not staleness or any(k < 0 for k in staleness):
+    raise ValueError(f"--staleness={list(staleness)}: give steps of staleness >= 0 (0 = synchronous).")
+  return [dict(batch=b, lr_rule=r, seed=s, **(dict(staleness=k) if k else {}))
+          for r in rules for b in batches for k in staleness for s in range(num_seeds)]
 
 
 def config_arg(base_arg: str, fields: dict) -> str:
-  """The config argument of a member: `base_arg`, then the member's fields (later keys win)."""
-  return ",".join(filter(None, [base_arg, *(f"{key}={value}" for key, value in fields.items())]))
+  """The config argument of a member: `base_arg`, then the member's batch, lr_rule and seed (later keys win)."""
+  args = [f"{key}={value}" for key, value in fields.items() if key != "staleness"]
+  return ",".join(filter(None, [base_arg, *args]))
 
 
 def member_config(module, base_arg: str, fields: dict, overrides: list[str] = ()) -> ml_collections.ConfigDict:
-  """The config of the member `fields` (e.g. dict(batch=256, lr_rule="sqrt", seed=0)), with `overrides` applied."""
+  """The config of the member `fields` (e.g. dict(batch=256, lr_rule="sqrt", seed=0), and staleness=k for
+  rl.max_staleness = k), with `overrides` applied."""
   config = module.get_config(config_arg(base_arg, fields))
-  apply_overrides(config, list(overrides))
+  stale = [f"rl.max_staleness={fields['staleness']}"] if "staleness" in fields else []
+  apply_overrides(config, [*stale, *overrides])
   return config
 
 
@@ -65,17 +71,17 @@ def derive(config: ml_collections.ConfigDict, fields: dict, devices=None) -> fam
   """The member `config` describes, validated for the mesh it will run on; it must be the member `fields` asked for."""
   mesh = sharding.make_mesh(**config.mesh, devices=devices)
   member = family.member(config, sharding.data_parallel_size(mesh))
-  got = dict(batch=member.batch_size, lr_rule=member.rule, seed=member.seed)
+  got = dict(batch=member.batch_size, lr_rule=member.rule, seed=member.seed, staleness=member.algo.max_staleness)
   wrong = {key: got[key] for key, value in fields.items() if got[key] != value}
   if wrong:
     raise ValueError(f"Member {fields} built a config with {', '.join(f'{k}={v!r}' for k, v in wrong.items())}: the "
                      "config's get_config must honour batch=, lr_rule= and seed=, and --set must not override "
-                     "batch_size, optim.lr_rule or seed.")
+                     "batch_size, optim.lr_rule, seed or rl.max_staleness.")
   return member
 
 
 def run_study(config_path: str, workdir: str, batches: list[int], rules: list[str], num_seeds: int,
-              overrides: list[str] = (), devices=None) -> list[family.Member]:
+              overrides: list[str] = (), devices=None, staleness: list[int] = (0,)) -> list[family.Member]:
   """Runs (or resumes) every member to the same sample budget; returns the members in run order.
 
   Args:
@@ -85,10 +91,11 @@ def run_study(config_path: str, workdir: str, batches: list[int], rules: list[st
     num_seeds: seeds 0 .. num_seeds - 1 of each (rule, batch).
     overrides: 'key=value' applied to every member's config.
     devices: devices of each run (default: all).
+    staleness: rl.max_staleness of the members (asynchronous RL; 0 = synchronous), a further axis.
   """
   path, _, base_arg = config_path.partition(":")
   module = load_config_module(path)
-  fields = member_fields(module, batches, rules, num_seeds)
+  fields = member_fields(module, batches, rules, num_seeds, staleness)
   configs = [member_config(module, base_arg, f, overrides) for f in fields]
   todo = [(derive(c, f, devices), c) for c, f in zip(configs, fields)]  # Every member validates before any trains.
   budgets = {m.sample_budget for m, _ in todo}
