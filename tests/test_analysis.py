@@ -25,7 +25,8 @@ MEMBER_FIELDS = {
 
 def write_run(root, rule, batch, evals, seed=0, budget=1024, steps=None, name=None, staleness=0, speed=1.0):
   """A run dir with evaluation points `evals` [(samples, accuracy)] and `steps` training rows (default: budget);
-  `staleness` > 0 writes rl.max_staleness, `speed` divides every step's seconds."""
+  `staleness` > 0 writes rl.max_staleness, `speed` divides every step's seconds (asynchronous rows: the step's
+  visible seconds, rollout_wait_s + update_s, while generation keeps its own)."""
   run_dir = root / (name or f"{rule}_b{batch}" + (f"_k{staleness}" if staleness else "") + f"_s{seed}")
   run_dir.mkdir()
   config = dict(config=dict(batch_size=batch, seed=seed, sample_budget=budget, optim=dict(lr_rule=rule)),
@@ -36,8 +37,13 @@ def write_run(root, rule, batch, evals, seed=0, budget=1024, steps=None, name=No
   rows = []
   for step in range(1, (steps or budget // batch) + 1):
     rollout = STEP_S[0] + (COMPILE_S if step == 1 else 0.0)
-    rows.append(dict(step=step, samples=step * batch, wall_s=0.5 * step, rollout_s=rollout / speed,
-                     reward_s=STEP_S[1] / speed, update_s=STEP_S[2] / speed, reward_mean=0.5))
+    if staleness:
+      rows.append(dict(step=step, samples=step * batch, wall_s=0.5 * step, rollout_s=rollout, reward_s=STEP_S[1],
+                       update_s=STEP_S[2], rollout_wait_s=(rollout + STEP_S[1] + STEP_S[2]) / speed - STEP_S[2],
+                       reward_mean=0.5))
+    else:
+      rows.append(dict(step=step, samples=step * batch, wall_s=0.5 * step, rollout_s=rollout / speed,
+                       reward_s=STEP_S[1] / speed, update_s=STEP_S[2] / speed, reward_mean=0.5))
   rows += [dict(step=s // batch, samples=s, wall_s=0.0, eval_accuracy=a) for s, a in evals]
   rows.sort(key=lambda r: (r["samples"], "eval_accuracy" in r))
   (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

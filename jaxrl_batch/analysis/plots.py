@@ -14,6 +14,10 @@ def _rules(members: list[MemberResults]) -> list[str]:
   return sorted({m.rule for m in members})
 
 
+def _series(rule: str, staleness: int) -> str:
+  return rule + (f", k={staleness}" if staleness else "")
+
+
 def _accuracy(members: list[MemberResults], target: float, in_time: bool) -> Figure:
   """One panel per rule, one seed-mean line per batch, the target as a dashed line."""
   rules = _rules(members)
@@ -23,7 +27,7 @@ def _accuracy(members: list[MemberResults], target: float, in_time: bool) -> Fig
   for ax, rule in zip(axes, rules):
     for m in (m for m in members if m.rule == rule):
       x, y = m.clock_curve if in_time else m.curve
-      ax.plot(x, y, marker=".", label=f"B={m.batch}")
+      ax.plot(x, y, marker=".", label=f"B={m.batch}" + (f", k={m.staleness}" if m.staleness else ""))
     ax.axhline(target, color="k", linestyle="--", linewidth=1, label=f"target {target}")
     ax.set(title=f"rule: {rule}", xlabel="training seconds" if in_time else "samples")
     ax.legend(fontsize="small")
@@ -38,13 +42,13 @@ def _throughput(members: list[MemberResults], summaries: dict[str, dict]) -> Fig
   fig.subplots_adjust(bottom=0.14, left=0.08, right=0.98, wspace=0.1)
   axes = fig.subplots(1, len(rules), squeeze=False, sharey=True)[0]
   for ax, rule in zip(axes, rules):
-    batches = [m.batch for m in members if m.rule == rule]
-    x, bottom = np.arange(len(batches)), np.zeros(len(batches))
+    ruled = [m for m in members if m.rule == rule]
+    x, bottom = np.arange(len(ruled)), np.zeros(len(ruled))
     for phase in ("rollout", "reward", "update"):
-      cost = np.array([summaries[f"{rule}_b{b}"][f"{phase}_s_per_sample"] for b in batches]) * 1e3
+      cost = np.array([summaries[m.name][f"{phase}_s_per_sample"] for m in ruled]) * 1e3
       ax.bar(x, cost, bottom=bottom, label=phase)
       bottom += cost
-    ax.set_xticks(x, [str(b) for b in batches])
+    ax.set_xticks(x, [str(m.batch) + (f"\nk={m.staleness}" if m.staleness else "") for m in ruled])
     ax.set(title=f"rule: {rule}", xlabel="batch (rollouts per update)")
     ax.legend(fontsize="small")
   axes[0].set_ylabel("ms per sample (1000 / throughput)")
@@ -52,23 +56,24 @@ def _throughput(members: list[MemberResults], summaries: dict[str, dict]) -> Fig
 
 
 def _time_to_target(members: list[MemberResults], summaries: dict[str, dict], target: float) -> Figure:
-  """Mean time-to-target with its 90% interval per batch, one series per rule; censored members as x at the top."""
+  """Mean time-to-target with its 90% interval per batch, one series per rule (and staleness); censored members as x
+  at the top."""
   fig = Figure(figsize=(6, 4))
   fig.subplots_adjust(bottom=0.14, left=0.12)
   ax = fig.subplots()
   finite = [s["time_to_target_s"] for s in summaries.values() if s["time_to_target_s"] is not None]
   top = 1.1 * max(finite, default=1.0)
-  for i, rule in enumerate(_rules(members)):
-    rows = [summaries[m.name] for m in members if m.rule == rule]
+  for i, (rule, k) in enumerate(sorted({(m.rule, m.staleness) for m in members})):
+    rows = [summaries[m.name] for m in members if (m.rule, m.staleness) == (rule, k)]
     done = [r for r in rows if r["time_to_target_s"] is not None]
     if done:
       t = np.array([r["time_to_target_s"] for r in done])
       ci = np.array([r["time_to_target_ci"] for r in done])
       ax.errorbar([r["batch"] for r in done], t, yerr=[t - ci[:, 0], ci[:, 1] - t], marker="o", capsize=3,
-                  color=f"C{i}", label=rule)
+                  color=f"C{i}", label=_series(rule, k))
     censored = [r["batch"] for r in rows if r["time_to_target_s"] is None]
     if censored:
-      ax.scatter(censored, [top] * len(censored), marker="x", color=f"C{i}", label=f"{rule}: censored")
+      ax.scatter(censored, [top] * len(censored), marker="x", color=f"C{i}", label=f"{_series(rule, k)}: censored")
   batches = sorted({m.batch for m in members})
   ax.set_xscale("log", base=2)
   ax.set_xticks(batches, [str(b) for b in batches])

@@ -18,6 +18,15 @@ from jaxrl_batch.train import rundir
 PHASES = ("rollout_s", "reward_s", "update_s")  # Per-step phase seconds of a training row.
 
 
+def phase_seconds(row: dict) -> list[float]:
+  """The seconds a training row puts on the training clock, as (rollout, reward, update). An asynchronous row
+  (`rollout_wait_s` present: generation and scoring ran on another thread, overlapping earlier updates) counts only
+  what the learner waited for its rollouts, then its update: the step's critical path."""
+  if "rollout_wait_s" in row:
+    return [float(row["rollout_wait_s"]), 0.0, float(row["update_s"])]
+  return [float(row[p]) for p in PHASES]
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
   """One training run.
@@ -75,7 +84,7 @@ def _read_rows(path: str) -> tuple[list[dict], list[dict]]:
       if "eval_accuracy" in row:
         evals.append(dict(samples=float(row["samples"]), accuracy=float(row["eval_accuracy"])))
       else:
-        train.append(dict(samples=float(row["samples"]), phases=[float(row[p]) for p in PHASES],
+        train.append(dict(samples=float(row["samples"]), phases=phase_seconds(row),
                           cold=bool(row.get("cold", False))))
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"{path}:{line_no} is not a metrics row (training rows need samples, "

@@ -14,7 +14,8 @@ DEFINITIONS = {
                          "around it (the first point's samples if it is already >= target); never reached: "
                          "censored (None), counted in n_censored",
     "training_clock": "cumulative rollout_s + reward_s + update_s of training rows (evaluation and checkpoint time "
-                      "excluded); the first row's seconds (compile time) are replaced by its samples / R",
+                      "excluded; asynchronous rows count rollout_wait_s + update_s, the learner's critical path); "
+                      "the first row's seconds (compile time) are replaced by its samples / R",
     "time_to_target_s": "T: the training clock at S, linearly interpolated in samples between training rows",
     "throughput_samples_per_s": "R: samples of training rows except the first / their summed phase seconds; "
                                 "<phase>_s_per_sample splits 1/R into rollout, reward, update",
