@@ -48,7 +48,8 @@ class AsyncCollector:
     self._last_end = None  # When the generator finished its previous batch (for update_wait_s).
 
   def _generate(self, graphdef, params, step: int) -> tuple:
-    """On the generator thread: the step's rollouts, orders and statistics, and how long it waited for work."""
+    """On the generator thread: the step's rollouts (on the learner's devices) and statistics, with how long the
+    generator waited for this work (`update_wait_s`)."""
     start = time.time()
     idle = 0.0 if self._last_end is None else max(start - self._last_end, 0.0)
     rollouts, _, _, stats = self.collector.collect(graphdef, params, step, 0.0, [])
