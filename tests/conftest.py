@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session and the `launch.*` processes its tests start: the modules clear
-# JAX's in-memory caches (above) and the processes start cold, yet most compile the same debug-model programs
+# JAX's in-memory caches (below) and the processes start cold, yet most compile the same debug-model programs
 # (measured: the trainer, run-safety and async tests took 147 s with it, 220 s without).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl_batch_tests_xla_")
