@@ -31,16 +31,15 @@ _FIELDS = {"prompt_BxP": np.int32, "prompt_valid_BxP": bool, "tokens_BxN": np.in
 class AsyncCollector:
   """`Collector.collect` with generation `max_staleness` steps ahead, on one host thread."""
 
-  def __init__(self, collector: Collector, max_staleness: int, orders_for, learner_mesh: jax.sharding.Mesh):
-    """`collector` generates on its experiment's mesh; `learner_mesh` is the update's. `orders_for(step)`: the host
-    mini-batch orders of `step` (`Learner.orders`), uploaded with the step's KL coefficient."""
+  def __init__(self, collector: Collector, max_staleness: int, learner_mesh: jax.sharding.Mesh):
+    """`collector` generates on its experiment's mesh; `learner_mesh` is the update's."""
     if max_staleness < 1:
       raise ValueError(f"max_staleness={max_staleness}: the asynchronous collector runs >= 1 step ahead.")
     if jax.process_count() > 1:
       raise ValueError("rl.max_staleness > 0 generates on a host thread, whose collectives would interleave with "
                        "the learner's across processes: run it in one process (any number of devices), or set "
                        "rl.max_staleness=0.")
-    self.collector, self.k, self.orders_for = collector, max_staleness, orders_for
+    self.collector, self.k = collector, max_staleness
     self.exp, self.mesh = collector.exp, learner_mesh
     self.colocated = collector.exp.mesh == learner_mesh
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
@@ -68,11 +67,10 @@ class AsyncCollector:
     return jax.device_put(params, jax.tree.map(
         lambda x: jax.sharding.NamedSharding(rollout_mesh, x.sharding.spec), params))
 
-  def collect(self, graphdef, params, step: int, kl_coef: float, orders=None):
+  def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]):
     """Like `Collector.collect` for `step`, from the queue; first tops the queue up to step + k with `params`
-    published (copied: the update donates its state) as policy version `step`. `orders` is ignored (the queue's
-    were drawn by `orders_for`)."""
-    del orders
+    published (copied: the update donates its state) as policy version `step`. The KL coefficient and the
+    mini-batch `orders` are the learner's at training time, uploaded here."""
     published = None
     for t in range(step, step + self.k + 1):
       if t not in self._queue:
@@ -86,7 +84,6 @@ class AsyncCollector:
     else:
       rollouts, stats = self._upload(item)
     waited = time.time() - t0
-    orders = self.orders_for(step)
     replicated = sharding.replicated(self.mesh)
     device_kl_coef, device_orders = transfer.to_device("kl_orders", (np.float32(kl_coef), orders),
                                                        (replicated, [replicated] * len(orders)))

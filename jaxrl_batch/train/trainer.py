@@ -100,8 +100,7 @@ class Trainer:
     if partial:
       self.collector = PartialCollector(self.exp)
     elif self.algo.max_staleness:
-      self.collector = AsyncCollector(Collector(rollout_exp or self.exp), self.algo.max_staleness,
-                                      lambda step: self.learner.orders(step, m.batch_size), self.exp.mesh)
+      self.collector = AsyncCollector(Collector(rollout_exp or self.exp), self.algo.max_staleness, self.exp.mesh)
     else:
       self.collector = Collector(self.exp)
     self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
@@ -135,7 +134,7 @@ class Trainer:
 
   def _train_step(self, state: dict, step: int):
     """Collect, prepare, update. Returns (state, host part of the metrics row, device metrics)."""
-    learner = self.learner
+    learner, start = self.learner, time.time()
     rollouts, kl_coef, orders, row = self.collector.collect(self.graphdef, state["params"], step, self.kl.coef,
                                                             learner.orders(step, self.member.batch_size))
     self._flush()  # The previous step's metrics: computed by now, fetched one step late.
@@ -146,6 +145,11 @@ class Trainer:
     state = jax.block_until_ready(state)
     actor_updates = max(step - self.algo.critic_warmup_steps, 0) * self.member.updates_per_step
     row.update(update_s=time.time() - t0, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef)
+    if isinstance(self.collector, AsyncCollector):
+      # Generation (of a later step) and the update ran at once for this share of the step's wall time.
+      step_s = time.time() - start
+      busy = row["rollout_s"] + row["reward_s"] + row["update_s"]
+      row["overlap_frac"] = min(max((busy - step_s) / step_s, 0.0), 1.0)
     return state, row, dict(stats, **out)
 
   def _flush(self) -> None:
@@ -288,7 +292,7 @@ class Trainer:
       eval_acc = held_out["eval_accuracy"]
       self.metrics.write(dict(step=0, samples=0, wall_s=wall(), **held_out))
       logging.info("Step 0: held-out greedy accuracy %.3f (base policy).", eval_acc)
-    first_step, row, idle, last_wall = step, {}, 0, wall()
+    first_step, row, idle = step, {}, 0
     while samples < m.sample_budget:
       state, row, device_metrics = self._train_step(state, step)
       trained = row["trained_samples"]
@@ -301,11 +305,6 @@ class Trainer:
       generated += row.pop("samples_generated")
       row = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), cold=step == first_step + 1,
                  **row)
-      if isinstance(self.collector, AsyncCollector):
-        # Generation (of a later step) and the update ran at once for this share of the step's wall time.
-        step_s, last_wall = row["wall_s"] - last_wall, row["wall_s"]
-        busy = row["rollout_s"] + row["reward_s"] + row["update_s"]
-        row["overlap_frac"] = min(max((busy - step_s) / step_s, 0.0), 1.0)
       self._pending = (row, device_metrics)
       crossed = lambda every: every > 0 and samples // every > previous // every
       done = samples >= m.sample_budget
