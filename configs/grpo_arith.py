@@ -51,6 +51,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # and most sums plainly: the base policy is right on sums only, and RL must carry the strict format over.
   c.task.sft_strict_frac_add = 0.9
   c.task.sft_strict_frac_sub = 0.2
+  # Scoring, for any task (may change on resume): a reward past the timeout scores 0 and is counted
+  # (`reward_timeouts`); threads running the reward function; with the continuous engine, score responses as they
+  # end, while decoding goes on.
+  c.task.reward_timeout_s = 30.0
+  c.task.reward_workers = 1
+  c.task.stream_rewards = True
   c.tokenizer_path = ""  # SentencePiece .model file; "" uses the task's bundled tokenizer.
 
   c.model = ml_collections.ConfigDict(dict(
@@ -191,7 +197,10 @@ def rl_config() -> ml_collections.ConfigDict:
       epochs=1,  # Passes over each rollout batch.
       mini_batches=1,  # Optimizer updates per pass (the batch is shuffled and split into this many).
       old_logp="sampler",  # The ratio's denominator: sampler (behaviour log-probs) | trainer (recomputed).
-      tis_cap=0.0,  # Truncated importance sampling min(pi_trainer / pi_sampler, cap) on the loss; 0 = off.
+      tis_cap=0.0,  # Importance weight pi_trainer / pi_sampler on the loss, bounded by this cap; 0 = off.
+      # truncate: min(w, cap) (truncated IS) | mask: w, or 0 past the cap (the decoupled PPO objective of AReaL:
+      # with old_logp='trainer' the clip is against the proximal policy, the weight corrects for the sampler's lag).
+      tis_mode="truncate",
       # Asynchronous RL: generation runs up to this many steps ahead of the learner (a step's rollouts come from the
       # policy of that many steps before; 0 = synchronous). Pair it with old_logp='trainer' and a tis_cap.
       max_staleness=0,

@@ -95,6 +95,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = grpo_arith.get_config(f"lr_rule={arg.lr_rule},seed={arg.seed}")
   c.task = gsm8k.default_config()
   c.task.name = "gsm8k"  # JSONL rows {"question", "answer": "... #### N"}; task.path "" = the bundled sample.
+  c.task.reward_timeout_s = 30.0  # As in grpo_arith: a reward past it scores 0 and is counted.
+  c.task.reward_workers = 1
+  c.task.stream_rewards = True
   c.task.extraction = "flexible" if tiny else "strict"  # Reward: the number after '####' (strict) or the last one.
   c.tokenizer_path = SAMPLE_TOKENIZER if tiny else ""  # "" with init_from: the checkpoint's tokenizer.json.
   c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.

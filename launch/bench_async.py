@@ -3,15 +3,25 @@ r"""Step time of asynchronous RL against the synchronous loop, side by side in o
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m launch.bench_async --config=configs/grpo_arith.py \
       --runs=0,1,1@1 --steps=12 --set=extra_response_tokens=24 --out=/tmp/bench_async.json
 
+Streamed rewards against rewards scored after the rollout, with a verifier that takes 5 ms per sample:
+
+  python -m launch.bench_async --config=configs/grpo_arith.py:batch=32 --reward_ms=5 \
+      --runs=0+task.stream_rewards=false,0,1+task.stream_rewards=false,1 \
+      --set=sampling.engine=continuous,sampling.slots=8,extra_response_tokens=24
+
 Trains the same member for --steps steps per run (no evaluation, no checkpoints; a short warm start, since speed
 needs no skill). Every run's learner has the same devices: all but the most any run gives to generation. A run `k`
-has rl.max_staleness=k on those (colocated); `k@n` adds the last n devices for generation (`rollout_mesh.devices=n`). Reports per run the mean step time over the steps
-after the first 2 + k (compilation, and the steps whose generation waited on it), its rollout / reward / update seconds, `overlap_frac`, the learner's and the
-generator's waits, and the step time's ratio to the first run. Writes --out (JSON) and prints the table.
+has rl.max_staleness=k on those (colocated); `k@n` adds the last n devices for generation
+(`rollout_mesh.devices=n`); `+key=value` suffixes are overrides of that run alone. --reward_ms adds a sleep to
+every reward call (a verifier's latency; a sleep releases the GIL as a subprocess or a remote verifier does).
+Reports per run the mean step time over the steps after the first 2 + k (compilation, and the steps whose
+generation waited on it), its rollout / reward / update seconds, `overlap_frac`, the learner's and the generator's
+waits, and the step time's ratio to the first run. Writes --out (JSON) and prints the table.
 """
 import json
 import os
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -24,8 +34,9 @@ from jaxrl_batch.train.trainer import Trainer
 from launch import logs
 
 flags.DEFINE_string("config", "configs/grpo_arith.py", "Config file (`path.py:args`).")
-flags.DEFINE_list("runs", ["0", "1"], "rl.max_staleness per run, `k@n` with n rollout devices; the first is the "
-                  "reference.")
+flags.DEFINE_list("runs", ["0", "1"], "rl.max_staleness per run, `k@n` with n rollout devices, `+key=value` "
+                  "overrides of that run; the first is the reference.")
+flags.DEFINE_float("reward_ms", 0.0, "Milliseconds every reward call sleeps (a verifier's latency).")
 flags.DEFINE_integer("steps", 12, "Steps per run (the first two are left out of the means).")
 flags.DEFINE_list("set", [], "Config overrides key=value, applied to every run.")
 flags.DEFINE_string("out", "bench_async.json", "Output JSON path.")
@@ -39,13 +50,22 @@ FIELDS = ("rollout_s", "reward_s", "update_s", "overlap_frac", "rollout_wait_s",
 def measure(workdir: str, run: str, learner_devices: list) -> dict:
   path, _, arg = FLAGS.config.partition(":")
   c = load_config_module(path).get_config(arg or None)
-  staleness, _, rollout_devices = run.partition("@")
-  apply_overrides(c, ["sft.steps=50", "eval_every_samples=0", "checkpoint_every_samples=0", *FLAGS.set,
+  spec, *own = run.split("+")
+  staleness, _, rollout_devices = spec.partition("@")
+  apply_overrides(c, ["sft.steps=50", "eval_every_samples=0", "checkpoint_every_samples=0", *FLAGS.set, *own,
                       f"rl.max_staleness={staleness}", f"rollout_mesh.devices={rollout_devices or 0}"])
   c.sample_budget = FLAGS.steps * c.batch_size
-  run_dir = os.path.join(workdir, run.replace("@", "_on_"))
-  Trainer(c, run_dir, devices=learner_devices + (jax.devices()[-c.rollout_mesh.devices:] if rollout_devices else [])
-          ).run()
+  run_dir = os.path.join(workdir, run.replace("@", "_on_").replace("+", "_").replace("=", "_"))
+  trainer = Trainer(c, run_dir, devices=learner_devices + (jax.devices()[-c.rollout_mesh.devices:]
+                                                           if rollout_devices else []))
+  if FLAGS.reward_ms:
+    reward = trainer.exp.task.reward
+
+    def slow_reward(completion, problem):
+      time.sleep(FLAGS.reward_ms / 1000)
+      return reward(completion, problem)
+    trainer.exp.task.reward = slow_reward
+  trainer.run()
   rows = [r for r in rundir.read_metrics(run_dir) if "reward_mean" in r]
   skip = WARMUP_STEPS + c.rl.max_staleness
   walls = np.diff([0.0] + [r["wall_s"] for r in rows])[skip:]
@@ -59,17 +79,18 @@ def main(argv):
   del argv
   logs.setup()
   workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="bench_async_")
-  most = max(int(run.partition("@")[2] or 0) for run in FLAGS.runs)
+  most = max(int(run.split("+")[0].partition("@")[2] or 0) for run in FLAGS.runs)
   learner_devices = jax.devices()[:jax.device_count() - most]
   results = [measure(workdir, run, learner_devices) for run in FLAGS.runs]
   for r in results:
     r["step_ratio_vs_first"] = r["step_s"] / results[0]["step_s"]
-  report = dict(config=FLAGS.config, overrides=FLAGS.set, steps=FLAGS.steps, devices=str(jax.devices()),
-                results=results)
+  report = dict(config=FLAGS.config, overrides=FLAGS.set, steps=FLAGS.steps, reward_ms=FLAGS.reward_ms,
+                devices=str(jax.devices()), results=results)
   with open(FLAGS.out, "w") as f:
     json.dump(report, f, indent=2)
-  header = f"{'run':>6} {'step_s':>8} {'ratio':>6} " + " ".join(f"{k:>14}" for k in FIELDS)
-  lines = [header] + [f"{r['run']:>6} {r['step_s']:>8.3f} {r['step_ratio_vs_first']:>6.2f} "
+  width = max(len(r["run"]) for r in results)
+  header = f"{'run':>{width}} {'step_s':>8} {'ratio':>6} " + " ".join(f"{k:>14}" for k in FIELDS)
+  lines = [header] + [f"{r['run']:>{width}} {r['step_s']:>8.3f} {r['step_ratio_vs_first']:>6.2f} "
                       + " ".join(f"{r[k]:>14.3f}" for k in FIELDS) for r in results]
   logging.info("Wrote %s\n%s", FLAGS.out, "\n".join(lines))
 

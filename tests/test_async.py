@@ -1,8 +1,12 @@
 """Asynchronous RL (`rl.max_staleness`): generation ahead of the learner, the policy lag it costs, and exact resume
 with rollouts in flight."""
+import threading
+import time
+
 import jax
 import pytest
 
+from jaxrl_batch.runtime import streams
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
 from tests.test_trainer import _straight_and_resumed, debug_config
@@ -45,3 +49,48 @@ def test_partial_rollouts_with_staleness_are_refused(tmp_path, base_cache):
                                        "sampling.engine": "continuous"})
   with pytest.raises(ValueError, match="rollout.partial with rl.max_staleness > 0"):
     Trainer(config, str(tmp_path / "run"), devices=ONE_DEVICE)
+
+
+STREAMED = {"sampling.engine": "continuous", "sampling.slots": 4, "eval_every_samples": 0}
+
+
+def test_streamed_rewards_are_the_rewards_of_the_rollout(tmp_path, base_cache):
+  trainer = Trainer(debug_config(base_cache, **STREAMED), str(tmp_path / "run"), devices=ONE_DEVICE)
+  state, _ = trainer.start()
+  try:
+    exp = trainer.exp
+    out = trainer.collector._round(trainer.graphdef, state["params"], 0, 0)
+    _, _, tokens_BxN, _, mask_BxN, _ = out["device"]
+    problems = exp.task.train_problems(streams.rl_prompt_seed(exp.member.seed, 0), 0, exp.member.num_prompts)
+    problems_B = [p for p in problems for _ in range(exp.member.group_size)]
+    after = exp.scorer.score(exp.decode_responses(*jax.device_get((tokens_BxN, mask_BxN))), problems_B)
+    assert out["task_rewards_B"].tolist() == after.rewards_B.tolist() and after.rewards_B.any()
+  finally:
+    trainer.checkpointer.close()
+    trainer.exp.scorer.close()
+
+
+def test_a_reward_past_its_timeout_scores_0_is_counted_and_does_not_stall_the_run(tmp_path, base_cache):
+  workdir = str(tmp_path / "run")
+  trainer = Trainer(debug_config(base_cache, sample_budget=64, **STREAMED, **{"task.reward_timeout_s": 0.2}), workdir,
+                    devices=ONE_DEVICE)
+  original, release, hung = trainer.exp.task.reward, threading.Event(), []
+  held_out = {id(p) for p in trainer.exp.task.eval_problems()}
+
+  def hanging(completion, problem):
+    if problem.prompt.startswith("8"):
+      hung.append(id(problem) not in held_out)
+      release.wait()
+    return original(completion, problem)
+  trainer.exp.task.reward = hanging
+  start = time.monotonic()
+  try:
+    trainer.run()
+  finally:
+    release.set()
+  rows = [r for r in rundir.read_metrics(workdir) if "reward_mean" in r]
+  evals = [r for r in rundir.read_metrics(workdir) if "eval_accuracy" in r]  # at 0 and at the end
+  assert len(rows) == 2 and sum(r["reward_timeouts"] for r in rows) == sum(hung) > 0
+  assert [r["eval_reward_errors"] for r in evals] == [1, 1]  # one held-out problem starts with 8
+  assert all(r["reward_errors"] == 0 and r["reward_mean"] > 0 for r in rows)
+  assert time.monotonic() - start < 60

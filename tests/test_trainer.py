@@ -289,6 +289,10 @@ def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, over
   if "sampling.engine" in overrides:  # one small upload (admissions, re-prefills) and download per chunk
     chunks = sum(r["rollout_chunks"] for r in rows)
     expected.update(admit=chunks, slots=chunks)
+    if "rollout.partial" not in overrides:  # streamed rewards: after a chunk where rows end, their ids up, rows down
+      ended = counts.get("ended", 0)
+      assert rounds < ended <= chunks  # some round scored in parts, while decoding went on
+      expected.update(ended=ended, responses=ended, lengths=expected.pop("tokens"))
     if "rollout.partial" in overrides:
       assert sum(r["carried_over"] > 0 for r in rows[:-1]) > 0
     if "sampling.pages" in overrides:

@@ -95,7 +95,8 @@ def hand_loss(models, params, batch, cfg, ref_logp=None, kl_coef=0.0):
   ratio = np.exp(logp - old)
   pg = np.maximum(-ratio * adv, -np.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
   if cfg.tis_cap:
-    pg = pg * np.minimum(np.exp(old - sampler), cfg.tis_cap)
+    w = np.exp(old - sampler)
+    pg = pg * (np.minimum(w, cfg.tis_cap) if cfg.tis_mode == "truncate" else np.where(w > cfg.tis_cap, 0.0, w))
   n = mask.sum(1, keepdims=True)
   w = mask / mask.sum() if cfg.loss_agg == "token_mean" else mask / (n.clip(1) * (n > 0).sum())
   p = jax.nn.softmax(np.asarray(logits), -1)
@@ -107,8 +108,11 @@ def hand_loss(models, params, batch, cfg, ref_logp=None, kl_coef=0.0):
   return total
 
 
-@pytest.mark.parametrize("cfg", [AlgoConfig(), AlgoConfig(loss_agg="seq_mean_token_mean", entropy_coef=0.05,
-                                                         old_logp="trainer", tis_cap=1.5)])
+TIS = AlgoConfig(loss_agg="seq_mean_token_mean", entropy_coef=0.05, old_logp="trainer", tis_cap=1.5)
+
+
+@pytest.mark.parametrize("cfg", [AlgoConfig(), TIS, dataclasses.replace(TIS, tis_mode="mask")],
+                         ids=["plain", "truncated_is", "decoupled_mask"])
 def test_loss_equals_hand_computation(cfg):
   batch = make_batch(1)
   rng = np.random.default_rng(5)
@@ -118,6 +122,11 @@ def test_loss_equals_hand_computation(cfg):
   models, before, _, metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE), 2, batch, cfg)
   np.testing.assert_allclose(metrics["loss"], hand_loss(models, before["params"], batch, cfg), rtol=1e-5)
   assert metrics["num_tokens"] == np.asarray(batch.loss_mask_BxT).sum()
+  if cfg.tis_cap:  # some weights past the cap, so the two modes differ
+    mask = np.asarray(batch.loss_mask_BxT)
+    w = np.exp(np.asarray(batch.old_logp_BxT - batch.sampler_logp_BxT))
+    np.testing.assert_allclose(metrics["tis_capped_frac"], ((w > cfg.tis_cap) & mask).sum() / mask.sum(), rtol=1e-6)
+    assert metrics["tis_capped_frac"] > 0
 
 
 def test_kl_in_the_loss_matches_hand_computed_k3():

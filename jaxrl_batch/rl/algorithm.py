@@ -8,7 +8,7 @@ import dataclasses
 import ml_collections
 
 from jaxrl_batch.rl.advantages import ESTIMATORS, GROUP_ESTIMATORS
-from jaxrl_batch.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+from jaxrl_batch.rl.losses import AGGREGATIONS, KL_ESTIMATORS, TIS_MODES
 
 ALGOS = ("grpo", "ppo")
 
@@ -37,6 +37,7 @@ class AlgoConfig:
   mini_batches: int = 1
   old_logp: str = "sampler"
   tis_cap: float = 0.0
+  tis_mode: str = "truncate"
   max_staleness: int = 0
   dynamic_sampling: bool = False
   max_sampling_rounds: int = 3
@@ -120,6 +121,8 @@ class AlgoConfig:
     need(self.tis_cap == 0 or (self.tis_cap >= 1 and self.old_logp == "trainer"),
          f"rl.tis_cap={self.tis_cap}: truncated importance sampling reweights by pi_trainer / pi_sampler, so it "
          "needs rl.old_logp='trainer' and a cap >= 1 (2 is usual), or 0 to disable.")
+    need(self.tis_mode in TIS_MODES, f"rl.tis_mode={self.tis_mode!r}: truncate (truncated IS) | mask (the decoupled "
+         "PPO objective's weight: tokens past rl.tis_cap leave the loss).")
     need(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
          f"rl.max_staleness={self.max_staleness}: steps generation may run ahead of the learner, an integer >= 0 "
          "(0 = synchronous).")

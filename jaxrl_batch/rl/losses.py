@@ -12,6 +12,7 @@ from jaxrl_batch.model.logprobs import token_logprobs  # noqa: F401
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_MODES = ("truncate", "mask")
 
 
 def entropy_from_logits(logits_BxTxV: jax.Array) -> jax.Array:
@@ -92,6 +93,23 @@ def policy_loss(log_ratio_BxT: jax.Array, adv_BxT: jax.Array, clip_low: float, c
   low_BxT = (ratio_BxT < 1.0 - clip_low) & (adv_BxT < 0)
   high_BxT = (ratio_BxT > 1.0 + clip_high) & (adv_BxT > 0)
   return loss_BxT, low_BxT.astype(jnp.float32), high_BxT.astype(jnp.float32)
+
+
+def behaviour_weight(prox_logp_BxT: jax.Array, behav_logp_BxT: jax.Array, cap: float,
+                     mode: str) -> tuple[jax.Array, jax.Array]:
+  """Importance weight of each token from the behaviour policy (the sampler's) to the proximal one (the trainer's
+  before this step's updates), w = pi_prox / pi_behav, bounded by `cap`:
+    truncate: min(w, cap)            (truncated IS; Yao et al. 2025)
+    mask:     w if w <= cap, else 0  (the decoupled PPO objective's weight; AReaL, Fu et al. 2025: a token that
+                                      far off-policy leaves the loss)
+  Returns (weight_BxT, capped_BxT: float 0/1, w > cap)."""
+  w_BxT = jnp.exp(prox_logp_BxT - behav_logp_BxT)
+  capped_BxT = w_BxT > cap
+  if mode == "truncate":
+    return jnp.minimum(w_BxT, cap), capped_BxT.astype(jnp.float32)
+  if mode != "mask":
+    raise ValueError(f"Unknown rl.tis_mode {mode!r}; use one of {TIS_MODES}.")
+  return jnp.where(capped_BxT, 0.0, w_BxT), capped_BxT.astype(jnp.float32)
 
 
 def kl_penalty(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, estimator: str) -> jax.Array:

@@ -3,8 +3,8 @@
 The loss of a mini-batch is
   sum_t w_t * [ pg_t * tis_t + kl_coef * kl_t (KL in the loss) - entropy_coef * H_t ] + vf_coef * sum_t w_t * vl_t
 with w from `losses.token_weights` (the configured aggregation, counts taken over the whole mini-batch), pg the
-clipped surrogate, tis the truncated importance weight min(pi_trainer / pi_sampler, cap) and vl the clipped value
-loss (PPO). Logged scalars use token-mean weights, whatever the aggregation.
+clipped surrogate, tis the importance weight pi_trainer / pi_sampler truncated at the cap or, rl.tis_mode='mask',
+zero past it (`losses.behaviour_weight`; 1 when rl.tis_cap = 0) and vl the clipped value loss (PPO). Logged scalars use token-mean weights, whatever the aggregation.
 
 A mixture-of-experts policy replays the sampler's routing (`TrainBatch.experts_BxTxLxK`) when
 `model.routing_replay`, adds rl.router_aux_loss_coef x the load-balancing loss when > 0, and logs
@@ -100,7 +100,10 @@ def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models:
     pg_BxT, low_BxT, high_BxT = losses.policy_loss(log_ratio_BxT, micro.adv_BxT, cfg.clip_low, cfg.clip_high,
                                                    cfg.dual_clip)
     if cfg.tis_cap > 0:
-      pg_BxT = pg_BxT * jnp.minimum(jnp.exp(micro.old_logp_BxT - micro.sampler_logp_BxT), cfg.tis_cap)
+      weight_BxT, capped_BxT = losses.behaviour_weight(micro.old_logp_BxT, micro.sampler_logp_BxT, cfg.tis_cap,
+                                                       cfg.tis_mode)
+      pg_BxT = pg_BxT * weight_BxT
+      aux["tis_capped_frac"] = losses.weighted_sum(capped_BxT, tw)
     entropy_BxT = losses.entropy_from_logits(logits_BxTxV[:, :-1])
     entropy_BxT = jnp.pad(entropy_BxT if cfg.entropy_coef > 0 else jax.lax.stop_gradient(entropy_BxT),
                           ((0, 0), (1, 0)))

@@ -393,12 +393,14 @@ def _width(needed: int, full: int, backend: str) -> int:
 
 
 def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, held_R, order, rng, *, eos_id: int,
-           sampling: SamplingParams, slots: int, stop=None, row_sharding=None) -> Decoded:
+           sampling: SamplingParams, slots: int, stop=None, row_sharding=None, on_ended=None) -> Decoded:
   """Decodes `requests` (device) on `slots` slots, admitting them in `order` (host request indices). Requests
   with held_R > 0 (host int (R,), the lengths of `requests`) hold a partial sequence: they queue first and are
   re-prefilled under `params` as they take slots; the new ones take slots as slots free. Runs until every request
   in `order` ends, or until `stop(ended_R, decode_steps)` (a host predicate on the bool (R,) ended requests and
   the decode steps run so far, asked after each chunk) is true; requests then started keep their tokens so far.
+  `on_ended(outputs, ended)`, if given, is called after each chunk in which requests ended, with the device outputs
+  and their host indices (at most `slots`), before the next chunk is dispatched (e.g. to score them meanwhile).
 
   With sampling.page_size = C > 0 the cache is paged (`model.PagedKVCache`, one device): the prompts are
   left-padded to a multiple of C and prefilled into shared prompt pages, and each slot takes pages of a pool of
@@ -486,6 +488,8 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
                                            own_SxM, steps=sampling.chunk, eos_id=eos_id, sampling=sampling)
     live_S, steps, tokens = transfer.to_host("slots", (state.live_S, steps, tokens))
     live_S = np.array(live_S)
+    if on_ended is not None and (occupied_S & ~live_S).any():
+      on_ended(outputs, request_S[occupied_S & ~live_S].copy())
     for slot in np.flatnonzero(occupied_S & ~live_S):
       ended_R[request_S[slot]] = True
       request_S[slot] = -1
@@ -506,7 +510,7 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
 
 def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
                         pad_id: int, sampling: SamplingParams, group_size: int = 1, slots: int = 0,
-                        budget_B=None, row_sharding=None) -> tuple[Rollout, EngineStats]:
+                        budget_B=None, row_sharding=None, on_ended=None) -> tuple[Rollout, EngineStats]:
   """`generate`'s rollout of the B left-padded requests (groups of `group_size` rows sharing a prompt, prefilled
   once), decoded on `slots` slots (0 = B) in chunks of `sampling.chunk` steps; see the module docstring.
 
@@ -523,7 +527,7 @@ def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, 
   requests = new_requests(b, group_size=g, max_new_tokens=n, pad_id=pad_id, budget_B=budget_B,
                           row_sharding=row_sharding)
   out = decode(graphdef, params, prompt_BxP[::g], prompt_valid_BxP[::g], requests, np.zeros(b, np.int64), range(b),
-               rng, eos_id=eos_id, sampling=sampling, slots=slots or b, row_sharding=row_sharding)
+               rng, eos_id=eos_id, sampling=sampling, slots=slots or b, row_sharding=row_sharding, on_ended=on_ended)
   prompt_experts = out.prompt_experts_QxPxLxK
   if prompt_experts is not None:  # request r's prompt is r // g; a paged cache's padding is on the left
     prompt_experts = _request_prompt_experts(prompt_experts, p=prompt_BxP.shape[1], group_size=g)

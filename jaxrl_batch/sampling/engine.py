@@ -28,19 +28,20 @@ def static_stats(lengths_B: np.ndarray, block: int) -> EngineStats:
 
 
 def rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int, pad_id: int,
-            sampling: SamplingParams, group_size: int = 1, slots: int = 0, budget_B=None, row_sharding=None
-            ) -> tuple[Rollout, EngineStats | None]:
+            sampling: SamplingParams, group_size: int = 1, slots: int = 0, budget_B=None, row_sharding=None,
+            on_ended=None) -> tuple[Rollout, EngineStats | None]:
   """The B requests' Rollout by `sampling.engine` on `slots` slots (0 = B), and the continuous engine's
   EngineStats (None for the static engine: its figures need the lengths on the host, `static_stats`).
 
   `slots` must be a multiple of group_size for the static engine (its blocks hold whole groups). budget_B and
-  row_sharding as `generate_continuous`'s.
+  row_sharding as `generate_continuous`'s; `on_ended` too (the continuous engine's requests as they end; the static
+  engine ignores it: its rows all end together).
   """
   kwargs = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, sampling=sampling,
                 group_size=group_size)
   if sampling.engine == "continuous":
     return generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, slots=slots, budget_B=budget_B,
-                               row_sharding=row_sharding, **kwargs)
+                               row_sharding=row_sharding, on_ended=on_ended, **kwargs)
   b = prompt_BxP.shape[0]
   block = slots or b
   if block >= b:

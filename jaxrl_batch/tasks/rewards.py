@@ -1,18 +1,227 @@
-"""Rewards that never stop a run: a raising reward function scores 0 for that sample and is counted."""
+"""Rewards that never stop a run, scored on host threads while the caller goes on.
+
+A reward function that raises, returns a non-finite value or runs past `timeout_s` scores 0 for that sample, and
+is counted (`Scores.errors`, `Scores.timeouts`). Python cannot stop a thread: a worker whose reward runs past the
+timeout is abandoned (its late result is dropped) and a fresh worker takes its place, so a hanging verifier costs a
+thread, never the run.
+
+A `RewardScorer` is long-lived (one per run); each set of B samples is a `ScoringBatch`: its completions arrive in
+parts (`submit`, e.g. as the rollout engine finishes sequences) as thunks that are decoded on the scorer's decoder
+thread, then scored on `workers` reward threads; `result()` waits for every sample.
+"""
+import collections
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Callable, NamedTuple, Sequence
+
 import numpy as np
 
 
-def safe_rewards(task, completions, problems) -> tuple[np.ndarray, int, str | None]:
-  """Rewards as float32_B; a task whose reward raises scores 0 for that sample instead of stopping the run.
+class Scores(NamedTuple):
+  """rewards_B: float32 (0 where the reward raised or timed out); errors, timeouts: counts; first_error: the first
+  error or timeout message, None if there was none."""
+  rewards_B: np.ndarray
+  errors: int
+  timeouts: int
+  first_error: str | None
 
-  Returns (rewards_B, number of reward errors, first error message or None).
-  """
-  rewards, errors, first = [], 0, None
-  for completion, problem in zip(completions, problems):
+  def failures(self) -> str:
+    """What went wrong, for a log line: e.g. "raised on 2 and ran past task.reward_timeout_s on 1 of 32 samples
+    (scored 0); first: ..."; "" when nothing did."""
+    parts = [f"raised on {self.errors}" if self.errors else "",
+             f"ran past task.reward_timeout_s on {self.timeouts}" if self.timeouts else ""]
+    if not any(parts):
+      return ""
+    return (f"{' and '.join(p for p in parts if p)} of {len(self.rewards_B)} samples (scored 0); "
+            f"first: {self.first_error}")
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+  batch: "ScoringBatch"
+  index: int
+  completion: str
+
+
+@dataclasses.dataclass(eq=False)
+class _Worker:
+  job: _Job | None = None
+  started: float = 0.0
+  abandoned: bool = False
+
+
+class ScoringBatch:
+  """The rewards of `len(problems)` samples, sample i answering problems[i]."""
+
+  def __init__(self, scorer: "RewardScorer", problems: Sequence):
+    self._scorer, self.problems = scorer, list(problems)
+    self._rewards = np.zeros(len(self.problems), np.float32)
+    self._done = np.zeros(len(self.problems), bool)
+    self._submitted = np.zeros(len(self.problems), bool)
+    self.errors = self.timeouts = 0
+    self.first_error: str | None = None
+    self.decode_error: BaseException | None = None
+
+  def submit(self, indices: Sequence[int], completions: Callable[[], Sequence[str]]) -> None:
+    """Queues samples `indices`; `completions()` (run on the decoder thread) returns their texts, in that order."""
+    indices = [int(i) for i in indices]
+    twice = sorted({i for i in indices if self._submitted[i]})
+    if twice:
+      raise ValueError(f"samples {twice} were submitted twice.")
+    self._submitted[indices] = True
+    self._scorer._decode_queue.put((self, indices, completions))
+
+  def result(self) -> Scores:
+    """Waits for every sample's reward (a sample's wait is bounded by the timeout once its scoring starts)."""
+    if not self._submitted.all():
+      raise ValueError(f"{int((~self._submitted).sum())} of {len(self.problems)} samples were never submitted.")
+    scorer = self._scorer
+    with scorer._cond:
+      while not self._done.all() and self.decode_error is None:
+        scorer._cond.wait()
+    if self.decode_error is not None:
+      raise RuntimeError("Decoding completions for scoring failed") from self.decode_error
+    return Scores(self._rewards.copy(), self.errors, self.timeouts, self.first_error)
+
+  def _record(self, index: int, value: float, error: str | None, timed_out: bool = False) -> None:
+    """Called under the scorer's lock."""
+    if self._done[index]:
+      return
+    self._rewards[index], self._done[index] = value, True
+    if error is not None:
+      self.timeouts += timed_out
+      self.errors += not timed_out
+      self.first_error = self.first_error or error
+
+
+class RewardScorer:
+  """Scores completions with `reward(completion, problem) -> float` on `workers` daemon threads; timeout_s 0 = none.
+  `stream`: whether a rollout engine should hand it responses as they end (read by the collector)."""
+
+  def __init__(self, reward: Callable[[str, object], float], workers: int = 1, timeout_s: float = 0.0,
+               stream: bool = True):
+    if not (isinstance(workers, int) and workers >= 1):
+      raise ValueError(f"task.reward_workers={workers!r}: threads scoring rewards, an integer >= 1.")
+    if not (isinstance(timeout_s, int | float) and timeout_s >= 0):
+      raise ValueError(f"task.reward_timeout_s={timeout_s!r}: seconds a sample's reward may take, >= 0 (0 = none).")
+    if not isinstance(stream, bool):
+      raise ValueError(f"task.stream_rewards={stream!r}: true or false.")
+    self._reward, self.timeout_s, self.workers, self.stream = reward, float(timeout_s), workers, stream
+    self._cond = threading.Condition()
+    self._jobs: collections.deque[_Job] = collections.deque()
+    self._workers: list[_Worker] = []
+    self._decode_queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._open = False
+    self.abandoned = 0
+
+  def batch(self, problems: Sequence) -> ScoringBatch:
+    """A new set of samples to score (starts the threads on first use, or after `close`)."""
+    with self._cond:
+      if not self._open:
+        self._open = True
+        threading.Thread(target=self._decode_loop, name="reward-decode", daemon=True).start()
+        if self.timeout_s:
+          threading.Thread(target=self._watch, name="reward-watchdog", daemon=True).start()
+        for _ in range(self.workers):
+          self._spawn()
+    return ScoringBatch(self, problems)
+
+  def close(self) -> None:
+    """Lets the threads end once idle (a later `batch` starts new ones)."""
+    with self._cond:
+      if self._open:
+        self._open = False
+        self._decode_queue.put(None)
+        for worker in self._workers:
+          worker.abandoned = True
+        self._workers.clear()
+        self._cond.notify_all()
+
+  def score(self, completions: Sequence[str], problems: Sequence) -> Scores:
+    """The rewards of ready completions, all at once."""
+    batch = self.batch(problems)
+    completions = list(completions)
+    batch.submit(range(len(completions)), lambda: completions)
+    return batch.result()
+
+  def _spawn(self) -> None:
+    worker = _Worker()
+    self._workers.append(worker)
+    threading.Thread(target=self._work, args=(worker,), name="reward", daemon=True).start()
+
+  def _decode_loop(self) -> None:
+    while True:
+      item = self._decode_queue.get()
+      if item is None:
+        return
+      batch, indices, completions = item
+      try:
+        texts = list(completions())
+        if len(texts) != len(indices):
+          raise ValueError(f"{len(texts)} completions for {len(indices)} samples.")
+      except BaseException as e:  # Surfaced by the batch's result().
+        with self._cond:
+          batch.decode_error = e
+          self._cond.notify_all()
+        continue
+      with self._cond:
+        self._jobs.extend(_Job(batch, i, text) for i, text in zip(indices, texts))
+        self._cond.notify_all()
+
+  def _work(self, worker: _Worker) -> None:
+    while True:
+      with self._cond:
+        while not self._jobs and not worker.abandoned:
+          self._cond.wait()
+        if worker.abandoned:  # closed
+          return
+        job = self._jobs.popleft()
+        worker.job, worker.started = job, time.monotonic()
+        self._cond.notify_all()  # a new deadline for the watchdog
+      value, error = self._call(job)
+      with self._cond:
+        if worker.abandoned:  # timed out: scored 0 already, and replaced
+          return
+        worker.job = None
+        job.batch._record(job.index, value, error)
+        self._cond.notify_all()
+
+  def _call(self, job: _Job) -> tuple[float, str | None]:
     try:
-      rewards.append(float(task.reward(completion, problem)))
+      value = float(self._reward(job.completion, job.batch.problems[job.index]))
     except Exception as e:  # A user reward function must never crash the run.
-      errors += 1
-      first = first or f"{type(e).__name__}: {e}"
-      rewards.append(0.0)
-  return np.asarray(rewards, np.float32), errors, first
+      return 0.0, f"{type(e).__name__}: {e}"
+    if not math.isfinite(value):
+      return 0.0, f"the reward function returned {value} for {job.completion[:80]!r}"
+    return value, None
+
+  def _watch(self) -> None:
+    with self._cond:
+      while self._open:
+        self._cond.wait(self._reap())
+
+  def _reap(self) -> float | None:
+    """Under the lock: scores 0 (timed out) every sample whose reward runs past the timeout and replaces its
+    worker; returns the seconds until the next deadline (None: none running)."""
+    now, wait = time.monotonic(), None
+    for worker in list(self._workers):
+      if worker.job is None:
+        continue
+      left = worker.started + self.timeout_s - now
+      if left > 0:
+        wait = left if wait is None else min(wait, left)
+        continue
+      worker.abandoned = True
+      self._workers.remove(worker)
+      self.abandoned += 1
+      worker.job.batch._record(worker.job.index, 0.0, f"the reward function ran past task.reward_timeout_s="
+                               f"{self.timeout_s:g} s", timed_out=True)
+      logging.warning("A reward ran past task.reward_timeout_s=%g s: scored 0, its thread abandoned (%d so far); "
+                      "raise the timeout if the verifier is just slow.", self.timeout_s, self.abandoned)
+      self._spawn()
+      self._cond.notify_all()
+    return wait

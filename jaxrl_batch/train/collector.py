@@ -2,6 +2,11 @@
 handling. The rollouts stay on the device; only the prompts go up, the response tokens come down (for decoding and
 scoring) and the rewards go up (`runtime.transfer`).
 
+Rewards stream (`task.stream_rewards`): with the continuous engine (one process), the responses that end in a chunk come down while the
+next chunk decodes, and the experiment's `RewardScorer` decodes and scores them on host threads, so scoring
+overlaps generation and `reward_s` is only the wait for the last rewards after it. The static engine's rows end
+together: they are scored after it.
+
 Round r of step s draws its prompts from the stream `streams.rl_prompt_seed(seed, r)` and its sampling key from
 (seed, s, r): round 0 is exactly the run without dynamic sampling, and a resumed run replays every round.
 """
@@ -19,7 +24,7 @@ from jaxrl_batch.rl.advantages import zero_std_group_frac, zero_std_groups
 from jaxrl_batch.rl.overlong import overlong_penalty
 from jaxrl_batch.runtime import memory, sharding, streams, transfer
 from jaxrl_batch.sampling import SamplingParams, generate, rollout, static_stats
-from jaxrl_batch.tasks.rewards import safe_rewards
+from jaxrl_batch.tasks.rewards import ScoringBatch
 from jaxrl_batch.train.setup import Experiment
 
 
@@ -52,6 +57,32 @@ def _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data_3, *, max_n
 
 
 _sampling_key = jax.jit(streams.sampling_key)
+
+
+@jax.jit
+def _rows(tokens_RxN, lengths_R, rows_S):
+  """Rows `rows_S` of the engine's outputs: (tokens_SxN, lengths_S)."""
+  return jnp.take(tokens_RxN, rows_S, axis=0), jnp.take(lengths_R, rows_S)
+
+
+def stream_to(exp: Experiment, scoring: ScoringBatch, slots: int):
+  """`decode`'s `on_ended` callback that hands the ended requests to `scoring`: their rows are gathered into `slots`
+  rows (a fixed shape: one program) and copied down asynchronously; the scorer's decoder thread waits for them."""
+  def on_ended(outputs, ended):
+    rows_S = np.resize(ended, slots).astype(np.int32)  # padded with repeats: fixed shape
+    rows_S = transfer.to_device("ended", rows_S, sharding.replicated(exp.mesh))
+    with jax.set_mesh(exp.mesh):
+      tokens_SxN, lengths_S = _rows(outputs.tokens_RxN, outputs.lengths_R, rows_S)
+    for x in (tokens_SxN, lengths_S):
+      x.copy_to_host_async()
+
+    def completions():
+      tokens, lengths = transfer.to_host("responses", (tokens_SxN, lengths_S))
+      k = len(ended)
+      return exp.decode_responses(tokens[:k], np.arange(tokens.shape[1])[None, :] < lengths[:k, None])
+
+    scoring.submit(ended, completions)
+  return on_ended
 
 
 @jax.jit
@@ -116,6 +147,9 @@ class Collector:
     prompt_BxP, prompt_valid_BxP, key_data = transfer.to_device(
         "prompts", (prompt_BxP, prompt_valid_BxP, streams.sampling_key_data(m.seed, step, r)),
         (batch(2), batch(2), sharding.replicated(exp.mesh)))
+    problems_B = [p for p in problems for _ in range(g)]
+    scoring = exp.scorer.batch(problems_B)
+    streamed = exp.scorer.stream and exp.sampling.engine == "continuous" and jax.process_count() == 1
     t0 = time.time()
     kwargs = dict(max_new_tokens=exp.response_len, eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id,
                   sampling=exp.sampling, group_size=g)
@@ -124,19 +158,25 @@ class Collector:
         out, engine_stats = _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data, **kwargs), None
       else:
         out, engine_stats = rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, _sampling_key(key_data),
-                                    slots=self.slots, row_sharding=self._row_sharding, **kwargs)
+                                    slots=self.slots, row_sharding=self._row_sharding,
+                                    on_ended=stream_to(exp, scoring, self.slots or m.batch_size) if streamed else None,
+                                    **kwargs)
     out = jax.block_until_ready(out)
     t1 = time.time()
-    tokens_BxN, mask_BxN, lengths_B, truncated_B = transfer.to_host(
-        "tokens", (out.tokens_BxN, out.mask_BxN, out.lengths_B, out.truncated_B))
+    if streamed:
+      lengths_B, truncated_B = transfer.to_host("lengths", (out.lengths_B, out.truncated_B))
+    else:
+      tokens_BxN, mask_BxN, lengths_B, truncated_B = transfer.to_host(
+          "tokens", (out.tokens_BxN, out.mask_BxN, out.lengths_B, out.truncated_B))
+      scoring.submit(range(len(problems_B)), lambda: exp.decode_responses(tokens_BxN, mask_BxN))
     engine_stats = engine_stats or static_stats(lengths_B, self.slots or m.batch_size)
-    completions = exp.decode_responses(tokens_BxN, mask_BxN)
-    rewards_B, errors, first = safe_rewards(exp.task, completions, [p for p in problems for _ in range(g)])
-    if errors:
-      logging.warning("Step %d: the reward function raised on %d samples (scored 0); first: %s", step, errors, first)
+    scores = scoring.result()
+    if scores.failures():
+      logging.warning("Step %d: the reward function %s", step, scores.failures())
     device = (prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN, out.experts_BxTxLxK)
-    return dict(device=device, task_rewards_B=rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
-                errors=errors, rollout_s=t1 - t0, reward_s=time.time() - t1, engine=engine_stats)
+    return dict(device=device, task_rewards_B=scores.rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
+                errors=scores.errors, timeouts=scores.timeouts, rollout_s=t1 - t0, reward_s=time.time() - t1,
+                engine=engine_stats)
 
   def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]
               ) -> tuple[Rollouts, jax.Array, list[jax.Array], dict]:
@@ -193,6 +233,7 @@ class Collector:
                  truncated_frac=float(every["truncated_B"].mean()),
                  zero_std_group_frac=float(zero_std_group_frac(every["task_rewards_B"], g)) if g > 1 else 0.0,
                  reward_errors=int(sum(out["errors"] for out in rounds)),
+                 reward_timeouts=int(sum(out["timeouts"] for out in rounds)),
                  useful_token_frac=sum(out["engine"].decoded for out in rounds) / max(
                      sum(out["engine"].slot_steps for out in rounds), 1),
                  rollout_chunks=sum(out["engine"].chunks for out in rounds),

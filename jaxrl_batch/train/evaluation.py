@@ -6,13 +6,12 @@ import jax
 from jaxrl_batch.runtime.distributed import to_host
 from jaxrl_batch.runtime.sharding import data_parallel_size
 from jaxrl_batch.sampling import SamplingParams, generate
-from jaxrl_batch.tasks.rewards import safe_rewards
 from jaxrl_batch.train.setup import Experiment
 
 
 def evaluate(exp: Experiment, graphdef, params) -> dict:
-  """{eval_accuracy: mean greedy reward (0..1), eval_reward_errors: rewards that raised} over the held-out problems;
-  a raising reward scores 0, is counted, and the first error is logged."""
+  """{eval_accuracy: mean greedy reward (0..1), eval_reward_errors: rewards that raised or timed out} over the
+  held-out problems; such a reward scores 0, is counted, and the first error is logged."""
   problems = exp.task.eval_problems()
   dp = data_parallel_size(exp.mesh)
   padded = problems + problems[: (-len(problems)) % dp]
@@ -21,11 +20,10 @@ def evaluate(exp: Experiment, graphdef, params) -> dict:
     out = generate(graphdef, params, tokens, valid, jax.random.key(0), max_new_tokens=exp.response_len,
                    eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id, sampling=SamplingParams(temperature=0.0))
   completions = exp.decode_responses(*to_host((out.tokens_BxN, out.mask_BxN)))
-  rewards, errors, first = safe_rewards(exp.task, completions[: len(problems)], problems)
-  if errors:
-    logging.warning("Evaluation: the reward function raised on %d of %d held-out problems (scored 0); first: %s",
-                    errors, len(problems), first)
-  return dict(eval_accuracy=float(rewards.mean()), eval_reward_errors=errors)
+  scores = exp.scorer.score(completions[: len(problems)], problems)
+  if scores.failures():
+    logging.warning("Evaluation: the reward function %s", scores.failures())
+  return dict(eval_accuracy=float(scores.rewards_B.mean()), eval_reward_errors=scores.errors + scores.timeouts)
 
 
 def eval_accuracy(exp: Experiment, graphdef, params) -> float:

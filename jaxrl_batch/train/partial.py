@@ -29,7 +29,6 @@ from jaxrl_batch.rl.advantages import zero_std_group_frac
 from jaxrl_batch.rl.overlong import overlong_penalty
 from jaxrl_batch.runtime import sharding, streams, transfer
 from jaxrl_batch.sampling import continuous
-from jaxrl_batch.tasks.rewards import safe_rewards
 from jaxrl_batch.train.collector import Collector, Rollouts, _sampling_key
 
 
@@ -185,15 +184,15 @@ class PartialCollector(Collector):
     if ended:
       mask_ExN = np.arange(n)[None, :] < np.array([s["length"] for s in ended])[:, None]
       completions = exp.decode_responses(np.stack([s["tokens"] for s in ended]), mask_ExN)
-      rewards, errors, first = safe_rewards(exp.task, completions, [s["problem"] for s in ended])
-      if errors:
-        logging.warning("Step %d: the reward function raised on %d samples (scored 0); first: %s", step, errors,
-                        first)
-      for seq, reward in zip(ended, rewards):
+      scores = exp.scorer.score(completions, [s["problem"] for s in ended])
+      errors, timeouts = scores.errors, scores.timeouts
+      if scores.failures():
+        logging.warning("Step %d: the reward function %s", step, scores.failures())
+      for seq, reward in zip(ended, scores.rewards_B):
         seq["reward"] = float(reward)
         self.finished[seq["uid"]] = seq
     else:
-      errors = 0
+      errors = timeouts = 0
     reward_s = time.time() - t1
     groups = self._complete_groups(set())[:m.num_prompts]
     batch = [self.finished.pop(u + j) for u in groups for j in range(g)]
@@ -223,7 +222,7 @@ class PartialCollector(Collector):
                  response_len_mean=float(lengths_every.mean()),
                  truncated_frac=float(np.mean([not s["eos"] for s in ended])) if ended else 0.0,
                  zero_std_group_frac=float(zero_std_group_frac(rewards_B, g)) if g > 1 else 0.0,
-                 reward_errors=int(errors),
+                 reward_errors=int(errors), reward_timeouts=int(timeouts),
                  useful_token_frac=sum(c.decoded for c in calls) / max(sum(c.slot_steps for c in calls), 1),
                  rollout_chunks=sum(c.chunks for c in calls),
                  reprefill_s=sum(c.reprefill_s for c in calls), preempted=sum(c.preempted for c in calls),

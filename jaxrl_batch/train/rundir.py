@@ -24,8 +24,9 @@ METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 LOCK = "lock"
 
-# Config fields that may change when a run resumes; any other difference from config.json is refused.
-RESUMABLE_FIELDS = ("log_every_steps", "eval_every_samples", "checkpoint_every_samples", "sft")
+# Config fields (dotted names) that may change when a run resumes; any other difference from config.json is refused.
+RESUMABLE_FIELDS = ("log_every_steps", "eval_every_samples", "checkpoint_every_samples", "sft",
+                    "task.reward_timeout_s", "task.reward_workers", "task.stream_rewards")
 
 
 def config_path(run_dir: str) -> str:
@@ -68,7 +69,7 @@ def config_diff(saved: dict, new: dict, prefix: str = "") -> list[str]:
   diffs = []
   for key in sorted(set(saved) | set(new)):
     name = prefix + key
-    if not prefix and key in RESUMABLE_FIELDS:
+    if name in RESUMABLE_FIELDS:
       continue
     a, b = saved.get(key), new.get(key)
     if isinstance(a, dict) and isinstance(b, dict):

@@ -48,6 +48,7 @@ class Experiment:
   mesh: jax.sharding.Mesh
   tokenizer: tokenizer_lib.Tokenizer
   task: tasks.Task
+  scorer: tasks.RewardScorer  # scores task.reward on host threads (config.task's SCORING_FIELDS)
   model_cfg: ModelConfig
   prompt_len: int
   response_len: int
@@ -82,7 +83,8 @@ class Experiment:
     response_len = task.max_answer_len(tokenizer) + config.extra_response_tokens
     if member.algo.loss_agg == "constant" and not member.algo.loss_agg_constant:  # Its one default: the budget.
       member = dataclasses.replace(member, algo=dataclasses.replace(member.algo, loss_agg_constant=float(response_len)))
-    return cls(config, member, mesh, tokenizer, task, model_cfg, prompt_len, response_len, chat)
+    return cls(config, member, mesh, tokenizer, task, tasks.make_scorer(task, config.task), model_cfg, prompt_len,
+               response_len, chat)
 
   def _module_fn(self, seed: int):
     return lambda: Transformer(self.model_cfg, nnx.Rngs(seed))

@@ -271,6 +271,7 @@ class Trainer:
         finally:
           if isinstance(self.collector, AsyncCollector):
             self.collector.close()
+          self.exp.scorer.close()
           self.checkpointer.close()  # Also on errors: a pending asynchronous save completes.
     finally:
       self.lock.release()
