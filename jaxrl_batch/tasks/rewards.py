@@ -80,9 +80,9 @@ class ScoringBatch:
     if not self._submitted.all():
       raise ValueError(f"{int((~self._submitted).sum())} of {len(self.problems)} samples were never submitted.")
     scorer = self._scorer
-    with scorer._cond:
+    with scorer._lock:
       while not self._done.all() and self.decode_error is None:
-        scorer._cond.wait()
+        scorer._done.wait()
     if self.decode_error is not None:
       raise RuntimeError("Decoding completions for scoring failed") from self.decode_error
     return Scores(self._rewards.copy(), self.errors, self.timeouts, self.first_error)
@@ -111,7 +111,9 @@ class RewardScorer:
     if not isinstance(stream, bool):
       raise ValueError(f"task.stream_rewards={stream!r}: true or false.")
     self._reward, self.timeout_s, self.workers, self.stream = reward, float(timeout_s), workers, stream
-    self._cond = threading.Condition()
+    self._lock = threading.Lock()
+    self._ready = threading.Condition(self._lock)  # workers wait for jobs
+    self._done = threading.Condition(self._lock)  # batches wait for rewards
     self._jobs: collections.deque[_Job] = collections.deque()
     self._workers: list[_Worker] = []
     self._decode_queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -120,7 +122,7 @@ class RewardScorer:
 
   def batch(self, problems: Sequence) -> ScoringBatch:
     """A new set of samples to score (starts the threads on first use, or after `close`)."""
-    with self._cond:
+    with self._lock:
       if not self._open:
         self._open = True
         threading.Thread(target=self._decode_loop, name="reward-decode", daemon=True).start()
@@ -132,14 +134,14 @@ class RewardScorer:
 
   def close(self) -> None:
     """Lets the threads end once idle (a later `batch` starts new ones)."""
-    with self._cond:
+    with self._lock:
       if self._open:
         self._open = False
         self._decode_queue.put(None)
         for worker in self._workers:
           worker.abandoned = True
         self._workers.clear()
-        self._cond.notify_all()
+        self._ready.notify_all()
 
   def score(self, completions: Sequence[str], problems: Sequence) -> Scores:
     """The rewards of ready completions, all at once."""
@@ -164,31 +166,30 @@ class RewardScorer:
         if len(texts) != len(indices):
           raise ValueError(f"{len(texts)} completions for {len(indices)} samples.")
       except BaseException as e:  # Surfaced by the batch's result().
-        with self._cond:
+        with self._lock:
           batch.decode_error = e
-          self._cond.notify_all()
+          self._done.notify_all()
         continue
-      with self._cond:
+      with self._lock:
         self._jobs.extend(_Job(batch, i, text) for i, text in zip(indices, texts))
-        self._cond.notify_all()
+        self._ready.notify(len(texts))
 
   def _work(self, worker: _Worker) -> None:
     while True:
-      with self._cond:
+      with self._lock:
         while not self._jobs and not worker.abandoned:
-          self._cond.wait()
+          self._ready.wait()
         if worker.abandoned:  # closed
           return
         job = self._jobs.popleft()
         worker.job, worker.started = job, time.monotonic()
-        self._cond.notify_all()  # a new deadline for the watchdog
       value, error = self._call(job)
-      with self._cond:
+      with self._lock:
         if worker.abandoned:  # timed out: scored 0 already, and replaced
           return
         worker.job = None
         job.batch._record(job.index, value, error)
-        self._cond.notify_all()
+        self._done.notify_all()
 
   def _call(self, job: _Job) -> tuple[float, str | None]:
     try:
@@ -200,20 +201,22 @@ class RewardScorer:
     return value, None
 
   def _watch(self) -> None:
-    with self._cond:
-      while self._open:
-        self._cond.wait(self._reap())
+    """Looks for rewards past the timeout every tenth of it (10 ms .. 1 s): a reward is stopped at most that late,
+    and starting one costs no wake-up."""
+    interval = min(max(self.timeout_s / 10, 0.01), 1.0)
+    while True:
+      time.sleep(interval)
+      with self._lock:
+        if not self._open:
+          return
+        self._reap()
 
-  def _reap(self) -> float | None:
+  def _reap(self) -> None:
     """Under the lock: scores 0 (timed out) every sample whose reward runs past the timeout and replaces its
-    worker; returns the seconds until the next deadline (None: none running)."""
-    now, wait = time.monotonic(), None
+    worker."""
+    now = time.monotonic()
     for worker in list(self._workers):
-      if worker.job is None:
-        continue
-      left = worker.started + self.timeout_s - now
-      if left > 0:
-        wait = left if wait is None else min(wait, left)
+      if worker.job is None or worker.started + self.timeout_s > now:
         continue
       worker.abandoned = True
       self._workers.remove(worker)
@@ -223,5 +226,4 @@ class RewardScorer:
       logging.warning("A reward ran past task.reward_timeout_s=%g s: scored 0, its thread abandoned (%d so far); "
                       "raise the timeout if the verifier is just slow.", self.timeout_s, self.abandoned)
       self._spawn()
-      self._cond.notify_all()
-    return wait
+      self._done.notify_all()
