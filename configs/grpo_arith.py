@@ -92,6 +92,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Rollouts per forward/backward (gradient accumulation; 0 = the whole mini-batch). With >= 2 micro-batches per
   # update the trainer also logs the gradient noise scale B_simple (`noise_scale`).
   c.micro_batch_size = 32
+  # > 0: pack sequences (padding stripped) into micro-batches of about this many tokens instead: rows of
+  # prompt_len + response_len tokens, micro_batch_tokens // that rows each, as many micro-batches as the tokens
+  # fill (a forward's cost follows the tokens). Every forward packs: the update, trainer log-probs, the reference,
+  # the critic, the warm start. 0 = micro_batch_size padded rows.
+  c.micro_batch_tokens = 0
   c.rl = rl_config()
   c.critic = critic_config()
   c.sampling = ml_collections.ConfigDict(dict(

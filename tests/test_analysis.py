@@ -19,7 +19,8 @@ COMPILE_S = 30.0  # Extra rollout seconds of the first step.
 MEMBER_FIELDS = {
     "batch", "rule", "samples_to_target", "samples_to_target_ci", "time_to_target_s", "time_to_target_ci",
     "throughput_samples_per_s", "throughput_ci", "rollout_s_per_sample", "reward_s_per_sample",
-    "update_s_per_sample", "gain", "penalty", "predicted_time_ratio", "measured_time_ratio", "verdict",
+    "update_s_per_sample", "gain", "penalty", "predicted_time_ratio", "measured_time_ratio",
+    "measured_time_ratio_ci", "verdict",
     "invariance_gap", "n_seeds", "n_censored", "seeds", "staleness"}
 
 
@@ -145,6 +146,28 @@ def test_decision_faster_and_slower(tmp_path):
   assert "Are the un-retuned (`none`) larger batches slower? yes: none_b256 slower (1.33x)." in report
 
 
+def test_verdicts_are_faster_or_slower_only_when_the_ratio_interval_excludes_1(tmp_path):
+  """Three seeds per member: S varies over seeds. sqrt_b128's times are all below the reference's (faster);
+  none_b128's straddle them (indistinguishable, though its mean ratio is below 1)."""
+  for seed, s in enumerate((384, 448, 512)):  # R = 128: T = 3, 3.5, 4
+    write_run(tmp_path, "sqrt", 64, reaching(s), budget=2560, seed=seed)
+  for seed, s in enumerate((512, 576, 640)):  # R = 256: T = 2, 2.25, 2.5
+    write_run(tmp_path, "sqrt", 128, reaching(s), budget=2560, seed=seed)
+  for seed, s in enumerate((512, 768, 1152)):  # R = 256: T = 2, 3, 4.5
+    write_run(tmp_path, "none", 128, reaching(s, end=2560), budget=2560, seed=seed)
+  analysis = analyze(str(tmp_path), target=0.6)
+  members = by_name(analysis)
+  fast, unsure = members["sqrt_b128"], members["none_b128"]
+  assert fast["verdict"] == "faster" and fast["measured_time_ratio_ci"][1] < 1
+  assert unsure["measured_time_ratio"] == pytest.approx(9.5 / 10.5) and unsure["verdict"] == "indistinguishable"
+  lo, hi = unsure["measured_time_ratio_ci"]
+  assert lo < 1 < hi
+  # The interval is a bootstrap of the two members' seed means: within the extreme ratios, around the mean one.
+  assert 2 / 4 <= lo < unsure["measured_time_ratio"] < hi <= 4.5 / 3
+  report = (tmp_path / "report.md").read_text()
+  assert f"| 0.90x [{lo:.2f}, {hi:.2f}] | indistinguishable |" in report
+
+
 def test_staleness_members_are_decided_against_their_synchronous_batch(tmp_path):
   write_run(tmp_path, "sqrt", 64, reaching(384), budget=2560)  # R = 128, S = 384.
   write_run(tmp_path, "sqrt", 64, reaching(448), budget=2560, staleness=1, speed=1.5)  # penalty 7/6 < gain 1.5
@@ -197,7 +220,7 @@ def test_reference_default_and_explicit(tmp_path):
   assert analyze(str(tmp_path), target=0.6, reference="linear_b64")["reference"] == "linear_b64"
   with pytest.raises(ValueError, match=r"'sqrt_b999' is not in the study; pick one of \['linear_b64'"):
     analyze(str(tmp_path), target=0.6, reference="sqrt_b999")
-  with pytest.raises(ValueError, match="is not '<rule>_b<batch>'"):
+  with pytest.raises(ValueError, match=r"is not '<rule>_b<batch>' or '<rule>_b<batch>_k<staleness>'"):
     analyze(str(tmp_path), target=0.6, reference="b64")
 
 

@@ -52,13 +52,13 @@ def setup(mesh, cfg: AlgoConfig, actor_tx=optax.sgd(0.05), critic_tx=optax.sgd(0
   return Models(graphdef, actor_tx, critic_graphdef, critic_tx if cfg.critic else None), state
 
 
-def one_step(mesh, num_micro, batch, cfg, kl_coef=0.0, train_actor=True):
+def one_step(mesh, num_micro, batch, cfg, kl_coef=0.0, train_actor=True, packing=None):
   models, state = setup(mesh, cfg)
   before = jax.tree.map(np.asarray, state)
   with jax.set_mesh(mesh):
     batch = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch)
     state, metrics = update(state, batch, jnp.float32(kl_coef), models=models, cfg=cfg, num_micro=num_micro,
-                            train_actor=train_actor)
+                            train_actor=train_actor, packing=packing)
   return models, before, jax.tree.map(np.asarray, state), metrics
 
 

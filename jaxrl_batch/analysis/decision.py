@@ -3,8 +3,10 @@
 - gain = R(B) / R(B0): throughput ratio (> 1: more samples per second).
 - penalty = S(B) / S(B0): samples-to-target ratio (> 1: more samples needed).
 - predicted_time_ratio = penalty / gain; measured_time_ratio = T(B) / T(B0); all from member means.
-- verdict: "faster" if measured_time_ratio < 1 else "slower"; "reference" for B0 itself; "censored" (and
-  penalty / predicted / measured None) if either member has no seed reaching the target. gain is always given.
+- measured_time_ratio_ci: its 90% percentile-bootstrap interval, the two members' seeds resampled independently.
+- verdict: "faster" if that interval lies below 1, "slower" if above, else "indistinguishable" (with one seed each
+  the interval is the point ratio); "reference" for B0 itself; "censored" (and penalty / predicted / measured None)
+  if either member has no seed reaching the target. gain is always given.
 - Family range of a rule: starting at its batch nearest B0, the contiguous run of its batches whose invariance gap
   (mean |accuracy - reference accuracy| over shared samples) is <= the tolerance; None if that first batch is over.
 The default reference is the smallest synchronous batch of the `sqrt` rule, else the smallest synchronous batch.
@@ -13,6 +15,8 @@ The default reference is the smallest synchronous batch of the `sqrt` rule, else
   k included.
 """
 import re
+
+from jaxrl_batch.analysis import bootstrap
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -26,25 +30,39 @@ def choose_reference(summaries: list[dict], reference: str | None) -> dict:
     sqrt = [m for m in summaries if m["rule"] == "sqrt"]
     return min(sqrt or summaries, key=lambda m: (m.get("staleness", 0), m["batch"], m["rule"]))
   if not re.fullmatch(r"\w+_b\d+(_k\d+)?", reference):
-    raise ValueError(f"reference {reference!r} is not '<rule>_b<batch>' (e.g. 'sqrt_b64'); members: {names}.")
+    raise ValueError(f"reference {reference!r} is not '<rule>_b<batch>' or '<rule>_b<batch>_k<staleness>' (e.g. "
+                     f"'sqrt_b64', 'sqrt_b64_k1'); members: {names}.")
   if reference not in names:
     raise ValueError(f"reference {reference!r} is not in the study; pick one of {names}.")
   return summaries[names.index(reference)]
 
 
+def _times(summary: dict) -> list[float]:
+  """T of each seed of a member that reached the target."""
+  return [s["time_to_target_s"] for s in summary["seeds"] if s["time_to_target_s"] is not None]
+
+
 def decide(member: dict, ref: dict) -> dict:
-  """gain, penalty, predicted/measured time ratios and verdict of `member` against `ref` (summaries)."""
+  """gain, penalty, predicted/measured time ratios, the measured ratio's 90% bootstrap interval over both members'
+  seeds, and the verdict of `member` against `ref` (summaries with their `seeds`): faster or slower only when the
+  interval excludes 1, else indistinguishable."""
   gain = _ratio(member["throughput_samples_per_s"], ref["throughput_samples_per_s"])
   if member["samples_to_target"] is None or ref["samples_to_target"] is None:
-    return dict(gain=gain, penalty=None, predicted_time_ratio=None, measured_time_ratio=None, verdict="censored")
+    return dict(gain=gain, penalty=None, predicted_time_ratio=None, measured_time_ratio=None,
+                measured_time_ratio_ci=None, verdict="censored")
   penalty = _ratio(member["samples_to_target"], ref["samples_to_target"])
   measured = _ratio(member["time_to_target_s"], ref["time_to_target_s"])
+  ci = bootstrap.ratio_ci(_times(member), _times(ref))
   if member["member"] == ref["member"]:
     verdict = "reference"
+  elif ci[1] < 1:
+    verdict = "faster"
+  elif ci[0] > 1:
+    verdict = "slower"
   else:
-    verdict = "faster" if measured < 1 else "slower"
+    verdict = "indistinguishable"
   return dict(gain=gain, penalty=penalty, predicted_time_ratio=penalty / gain, measured_time_ratio=measured,
-              verdict=verdict)
+              measured_time_ratio_ci=ci, verdict=verdict)
 
 
 def staleness(summaries: list[dict]) -> list[dict]:

@@ -15,10 +15,14 @@ def _ratio(x: float | None) -> str:
   return "-" if x is None else f"{x:.2f}x"
 
 
+def _ratio_ci(x: float | None, ci: list[float] | None) -> str:
+  return "-" if x is None else f"{_ratio(x)} [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
 def decision_table(analysis: dict) -> str:
   """Markdown table: one row per member."""
   lines = ["| member | seeds | S samples [90% CI] | T s [90% CI] | R samples/s | gain | penalty | predicted | "
-           "measured | verdict | gap |",
+           "measured [90% CI] | verdict | gap |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for m in analysis["members"]:
     seeds = f"{m['n_seeds']}" + (f" ({m['n_censored']} censored)" if m["n_censored"] else "")
@@ -26,7 +30,8 @@ def decision_table(analysis: dict) -> str:
         f"| {m['member']}", seeds, _with_ci(m["samples_to_target"], m["samples_to_target_ci"]),
         _with_ci(m["time_to_target_s"], m["time_to_target_ci"]),
         _with_ci(m["throughput_samples_per_s"], m["throughput_ci"]), _ratio(m["gain"]), _ratio(m["penalty"]),
-        _ratio(m["predicted_time_ratio"]), _ratio(m["measured_time_ratio"]), m["verdict"],
+        _ratio(m["predicted_time_ratio"]), _ratio_ci(m["measured_time_ratio"], m["measured_time_ratio_ci"]),
+        m["verdict"],
         _num(m["invariance_gap"], 2)]) + " |")
   return "\n".join(lines)
 
@@ -53,9 +58,9 @@ def _best(analysis: dict, ref: dict) -> str:
     return (f"No member reaches accuracy {analysis['target']} sooner than the reference "
             f"({_num(best['time_to_target_s'])} s).")
   return (f"The fastest to accuracy {analysis['target']} is {best['member']}: {_num(best['time_to_target_s'])} s of "
-          f"training, {_ratio(best['measured_time_ratio'])} the reference's {_num(ref['time_to_target_s'])} s "
-          f"(predicted {_ratio(best['predicted_time_ratio'])} = penalty {_ratio(best['penalty'])} / "
-          f"gain {_ratio(best['gain'])}).")
+          f"training, {_ratio_ci(best['measured_time_ratio'], best['measured_time_ratio_ci'])} the reference's "
+          f"{_num(ref['time_to_target_s'])} s (predicted {_ratio(best['predicted_time_ratio'])} = penalty "
+          f"{_ratio(best['penalty'])} / gain {_ratio(best['gain'])}): {best['verdict']}.")
 
 
 def _untuned(analysis: dict, ref: dict) -> str:
@@ -81,13 +86,14 @@ def staleness_section(analysis: dict) -> str:
   lines = ["## Staleness (asynchronous RL)",
            "Each `rl.max_staleness` = k > 0 member against the synchronous member of its rule and batch; gap: mean "
            f"|accuracy difference| to that member's curve (invariance tolerance {analysis['invariance_tol']}).",
-           "| member | k | gain | penalty | predicted | measured | verdict | gap |",
+           "| member | k | gain | penalty | predicted | measured [90% CI] | verdict | gap |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for batch in analysis["staleness"]:
     for level in batch["levels"]:
       lines.append(" | ".join([f"| {level['member']}", str(level["staleness"]), _ratio(level["gain"]),
                                _ratio(level["penalty"]), _ratio(level["predicted_time_ratio"]),
-                               _ratio(level["measured_time_ratio"]), level["verdict"], _num(level["gap"], 2)]) + " |")
+                               _ratio_ci(level["measured_time_ratio"], level["measured_time_ratio_ci"]),
+                               level["verdict"], _num(level["gap"], 2)]) + " |")
   summary = [f"`{b['synchronous']}` absorbs staleness up to k = {b['absorbs']} (samples penalty <= throughput gain)."
              for b in analysis["staleness"]]
   return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n\n" + " ".join(summary)
@@ -99,7 +105,9 @@ def render(analysis: dict) -> str:
       f"# Batch study: time to accuracy {analysis['target']}",
       f"Reference member: {analysis['reference']}; smoothing: {analysis['smooth']} evaluation point(s); "
       f"invariance tolerance: {analysis['invariance_tol']}. Ratios are against the reference "
-      "(measured < 1: faster). Censored: no seed reached the target.",
+      "(measured < 1: faster). Verdicts are statistical: faster or slower only when the 90% bootstrap interval "
+      "of the measured time ratio (over both members' seeds) excludes 1, else indistinguishable. Censored: no "
+      "seed reached the target.",
       decision_table(analysis),
       conclusion(analysis),
       *([staleness_section(analysis)] if analysis.get("staleness") else []),

@@ -23,8 +23,9 @@ DEFINITIONS = {
                  "all seeds; *_ci: 90% percentile bootstrap over seeds (2000 resamples, fixed seed), [x, x] for "
                  "one seed",
     "decision": "against the reference member: gain = R/R0, penalty = S/S0, predicted_time_ratio = penalty/gain, "
-                "measured_time_ratio = T/T0; verdict faster if measured < 1, else slower; censored if either "
-                "member never reached the target",
+                "measured_time_ratio = T/T0 with measured_time_ratio_ci, its 90% percentile bootstrap over both "
+                "members' seeds (resampled independently); verdict faster if that interval lies below 1, slower if "
+                "above, indistinguishable if it contains 1; censored if either member never reached the target",
     "invariance_gap": "mean |seed-mean accuracy - reference seed-mean accuracy| over the samples both cover",
     "family_range": "per rule, the contiguous batches around the reference batch with invariance_gap <= "
                     "invariance_tol (synchronous members)",
@@ -64,8 +65,9 @@ def analyze(study_dir: str, target: float, reference: str | None = None, smooth:
   ref_member = next(m for m in study if m.name == ref["member"])
   synchronous = {(m.rule, m.batch): m for m in study if m.staleness == 0}
   for member, summary in zip(study, summaries):
-    summary.update(decision.decide(summary, ref), invariance_gap=mean_abs_gap(member.curve, ref_member.curve),
-                   seeds=[r.to_json() for r in member.seeds])
+    summary["seeds"] = [r.to_json() for r in member.seeds]
+  for member, summary in zip(study, summaries):
+    summary.update(decision.decide(summary, ref), invariance_gap=mean_abs_gap(member.curve, ref_member.curve))
     sync = synchronous.get((member.rule, member.batch))
     if member.staleness and sync is not None:
       summary["staleness_gap"] = mean_abs_gap(member.curve, sync.curve)

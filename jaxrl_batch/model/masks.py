@@ -17,6 +17,24 @@ def causal_mask(valid_BxT: jax.Array) -> jax.Array:
   return causal_TxT[None] & valid_BxT[:, None, :].astype(bool)
 
 
+def segment_causal_mask(segment_ids_BxT: jax.Array) -> jax.Array:
+  """(B, T, T) bool for packed rows (`rl.packing`): query t may attend key s iff s <= t and both belong to the same
+  sequence (segment id), 0 marking padding."""
+  t = segment_ids_BxT.shape[-1]
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+  return causal_TxT[None] & same_BxTxT & (segment_ids_BxT[:, None, :] != 0)
+
+
+def layout(valid_BxT: jax.Array, segment_ids_BxT: jax.Array | None = None, positions_BxT: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+  """(positions_BxT, mask_BxTxS) of a full forward: padded rows (one sequence each, `valid_BxT`) by default; packed
+  rows when `segment_ids_BxT` and each token's own `positions_BxT` are given."""
+  if segment_ids_BxT is None:
+    return positions_from_valid(valid_BxT), causal_mask(valid_BxT)
+  return positions_BxT, segment_causal_mask(segment_ids_BxT)
+
+
 def cache_mask(kv_valid_BxS: jax.Array, cache_index: jax.Array, num_queries: int) -> jax.Array:
   """(B, T, S) bool for T queries written at cache slots cache_index..cache_index+T-1.
 

@@ -26,6 +26,8 @@ class TrainBatch(NamedTuple):
   experts_BxTxLxK: for a mixture-of-experts model, the int16 experts the sampler routed each token to in each of
     the L MoE layers (-1 where it fed none: `sampling.Rollout.experts_BxTxLxK`): replayed when
     `model.routing_replay`, compared with the trainer's routing for `router_mismatch_frac`. None otherwise.
+  positions_BxT, segment_ids_BxT: packed rows only (`rl.packing`): each token's position in its own sequence, and
+    its sequence's id in the row (0 = padding). None for padded rows (one sequence each).
   """
 
   tokens_BxT: jax.Array
@@ -38,6 +40,8 @@ class TrainBatch(NamedTuple):
   returns_BxT: jax.Array
   old_values_BxT: jax.Array
   experts_BxTxLxK: jax.Array | None = None
+  positions_BxT: jax.Array | None = None
+  segment_ids_BxT: jax.Array | None = None
 
 
 def split_micro_batches(tree, num_micro: int):

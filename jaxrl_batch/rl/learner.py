@@ -14,15 +14,23 @@ import numpy as np
 from jaxrl_batch.rl import advantages as adv_lib
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.rl.packing import Packing
 from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs
-from jaxrl_batch.rl.update import Models, score, update
+from jaxrl_batch.rl.update import Models, packed_forward, score, update
 from jaxrl_batch.runtime import sharding, streams
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
-def reference_logprobs(ref_params, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphdef, temperature: float):
-  """log-probs of the frozen reference policy per token (0 off the loss mask)."""
-  logp_BxT, _ = sequence_logprobs(graphdef, ref_params, tokens_BxT, valid_BxT, temperature)
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "packing"))
+def reference_logprobs(ref_params, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphdef, temperature: float,
+                       packing: Packing | None = None):
+  """log-probs of the frozen reference policy per token (0 off the loss mask); over packed rows with `packing`."""
+  def fn(tokens, valid, experts=None, segment_ids=None, positions=None):
+    return sequence_logprobs(graphdef, ref_params, tokens, valid, temperature, segment_ids, positions)[0]
+
+  if packing is None:
+    logp_BxT = fn(tokens_BxT, valid_BxT)
+  else:
+    logp_BxT = packed_forward(fn, tokens_BxT, valid_BxT, None, packing)
   return jnp.where(loss_mask_BxT, logp_BxT, 0.0)
 
 
@@ -91,8 +99,9 @@ class Learner:
   """Turns rollouts into a `TrainBatch` and applies cfg.epochs x cfg.mini_batches updates to it."""
 
   def __init__(self, cfg: AlgoConfig, models: Models, *, group_size: int, mini_batch_size: int, num_micro: int,
-               seed: int, mesh):
-    self.cfg, self.models, self.mesh = cfg, models, mesh
+               seed: int, mesh, packing: Packing | None = None):
+    """`packing`: every forward (trainer log-probs, reference, critic values, the update) over packed rows."""
+    self.cfg, self.models, self.mesh, self.packing = cfg, models, mesh, packing
     self.group_size, self.mini_batch_size, self.num_micro, self.seed = group_size, mini_batch_size, num_micro, seed
 
   def orders(self, step: int, batch_size: int) -> list[np.ndarray]:
@@ -112,11 +121,12 @@ class Learner:
     cfg = self.cfg
     tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B, experts = _from_rollouts(rollouts, mesh=self.mesh)
     trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), tokens_BxT, valid_BxT, mask_BxT,
-                                         experts, models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer")
+                                         experts, models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer",
+                                         packing=self.packing)
     ref_logp_BxT = None
     if cfg.use_kl:
       ref_logp_BxT = reference_logprobs(ref_params, tokens_BxT, valid_BxT, mask_BxT, graphdef=self.models.graphdef,
-                                         temperature=cfg.temperature)
+                                         temperature=cfg.temperature, packing=self.packing)
     return _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT, values_BxT,
                      rewards_B, kl_coef, experts, cfg=cfg, group_size=self.group_size)
 
@@ -131,6 +141,6 @@ class Learner:
     history = []
     for mini in minis:
       state, metrics = update(state, mini, kl_coef, models=self.models, cfg=cfg, num_micro=self.num_micro,
-                              train_actor=train_actor)
+                              train_actor=train_actor, packing=self.packing)
       history.append(metrics)
     return state, _mean_over_updates(history)

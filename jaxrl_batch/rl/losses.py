@@ -59,20 +59,26 @@ def weighted_sum(x_BxT: jax.Array, weights_BxT: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(weights_BxT != 0, x_BxT * weights_BxT, 0.0))
 
 
-def log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array, level: str) -> jax.Array:
+def log_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, mask_BxT: jax.Array, level: str,
+              segment_ids_BxT: jax.Array | None = None) -> jax.Array:
   """log(pi / pi_old) per token, 0 off the mask.
 
   level="token": the token's own log-ratio (PPO/GRPO). level="sequence" (GSPO, Zheng et al. 2025): every token of
   sequence i carries the sequence's mean log-ratio (1/n_i) sum_t log(pi/pi_old), so clipping acts on whole
-  sequences; aggregate with seq_mean_token_mean to get GSPO's per-sequence objective.
+  sequences; aggregate with seq_mean_token_mean to get GSPO's per-sequence objective. A sequence is a row, or in
+  packed rows (`segment_ids_BxT` given) the tokens of one segment.
   """
   d_BxT = jnp.where(mask_BxT, logp_BxT - old_logp_BxT, 0.0)
   if level == "token":
     return d_BxT
   if level != "sequence":
     raise ValueError(f"Unknown ratio level {level!r}; use 'token' or 'sequence'.")
-  n_Bx1 = jnp.maximum(mask_BxT.sum(axis=1, keepdims=True), 1)
-  return jnp.broadcast_to(d_BxT.sum(axis=1, keepdims=True) / n_Bx1, d_BxT.shape)
+  if segment_ids_BxT is None:
+    n_Bx1 = jnp.maximum(mask_BxT.sum(axis=1, keepdims=True), 1)
+    return jnp.broadcast_to(d_BxT.sum(axis=1, keepdims=True) / n_Bx1, d_BxT.shape)
+  same_BxTxT = (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]).astype(jnp.float32)
+  n_BxT = jnp.maximum(jnp.einsum("bts,bs->bt", same_BxTxT, mask_BxT.astype(jnp.float32)), 1)
+  return jnp.einsum("bts,bs->bt", same_BxTxT, d_BxT) / n_BxT
 
 
 def policy_loss(log_ratio_BxT: jax.Array, adv_BxT: jax.Array, clip_low: float, clip_high: float,

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrl_batch.model import causal_mask, positions_from_valid
+from jaxrl_batch.model import layout
 from jaxrl_batch.rl import critic as critic_lib
 from jaxrl_batch.rl import losses
+from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.rl import routing as routing_lib
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch, shifted_logprobs, split_micro_batches
@@ -41,11 +42,12 @@ class Weights(NamedTuple):
 
 
 def forward(policy, critic, tokens_BxT, valid_BxT, models: Models, cfg: AlgoConfig, need_policy: bool = True,
-            experts_BxTxLxK=None):
+            experts_BxTxLxK=None, segment_ids_BxT=None, positions_BxT=None):
   """(logp_BxT, logits_BxTxV or None, values_BxT or None, routings) at temperature cfg.temperature, all aligned per
   token; routings: the policy's `moe.Routing` per MoE layer (empty for a dense policy or without its forward),
-  replaying `experts_BxTxLxK` (the sampler's; None = none recorded) when the model's routing_replay is on."""
-  positions_BxT, mask_BxTxS = positions_from_valid(valid_BxT), causal_mask(valid_BxT)
+  replaying `experts_BxTxLxK` (the sampler's; None = none recorded) when the model's routing_replay is on. Packed
+  rows pass their segment ids and positions (`masks.layout`)."""
+  positions_BxT, mask_BxTxS = layout(valid_BxT, segment_ids_BxT, positions_BxT)
   logp_BxT = logits_BxTxV = values_BxT = None
   routings = ()
   if need_policy or (cfg.critic and cfg.share_backbone):
@@ -58,7 +60,8 @@ def forward(policy, critic, tokens_BxT, valid_BxT, models: Models, cfg: AlgoConf
     if cfg.critic and cfg.share_backbone:
       values_BxT = critic_lib.shared_values(models.critic_graphdef, critic, hidden_BxTxD)
   if cfg.critic and not cfg.share_backbone:
-    values_BxT = critic_lib.separate_values(models.critic_graphdef, critic, tokens_BxT, valid_BxT)
+    values_BxT = critic_lib.separate_values(models.critic_graphdef, critic, tokens_BxT, valid_BxT, segment_ids_BxT,
+                                            positions_BxT)
   return logp_BxT, logits_BxTxV, values_BxT, routings
 
 
@@ -84,19 +87,21 @@ def _router_metrics(aux: dict) -> dict:
 
 
 def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models: Models, cfg: AlgoConfig,
-                train_actor: bool, num_micro: int = 1):
+                train_actor: bool, num_micro=1):
   policy, critic = trainable
   if not train_actor:
     policy = jax.lax.stop_gradient(policy)
   logp_BxT, logits_BxTxV, values_BxT, routings = forward(policy, critic, micro.tokens_BxT, micro.valid_BxT, models,
                                                          cfg, need_policy=train_actor,
-                                                         experts_BxTxLxK=micro.experts_BxTxLxK)
+                                                         experts_BxTxLxK=micro.experts_BxTxLxK,
+                                                         segment_ids_BxT=micro.segment_ids_BxT,
+                                                         positions_BxT=micro.positions_BxT)
   mask_BxT = micro.loss_mask_BxT
   w, tw = weights.loss_BxT, weights.token_BxT
   zero = jnp.zeros((), jnp.float32)
   loss, aux = zero, {}
   if train_actor:
-    log_ratio_BxT = losses.log_ratio(logp_BxT, micro.old_logp_BxT, mask_BxT, cfg.ratio_level)
+    log_ratio_BxT = losses.log_ratio(logp_BxT, micro.old_logp_BxT, mask_BxT, cfg.ratio_level, micro.segment_ids_BxT)
     pg_BxT, low_BxT, high_BxT = losses.policy_loss(log_ratio_BxT, micro.adv_BxT, cfg.clip_low, cfg.clip_high,
                                                    cfg.dual_clip)
     if cfg.tis_cap > 0:
@@ -131,15 +136,28 @@ def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models:
   return loss, aux
 
 
-@functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro", "train_actor"), donate_argnums=(0,))
+def packed(batch: TrainBatch, weights: Weights, packing: packing_lib.Packing
+           ) -> tuple[tuple[TrainBatch, Weights], jax.Array]:
+  """The mini-batch and its weights as packed micro-batches (M, R, L, ...) with segment ids and positions, and the
+  number of micro-batches that hold tokens (`rl.packing`)."""
+  plan = packing_lib.plan(batch.valid_BxT, packing=packing)
+  pack = lambda x: None if x is None else packing_lib.pack(plan, x)
+  segment_ids, positions = packing_lib.segments(plan, batch.valid_BxT)
+  micro = TrainBatch(*(pack(x) for x in batch[:10]), positions_BxT=positions, segment_ids_BxT=segment_ids)
+  return (micro._replace(valid_BxT=segment_ids > 0), Weights(*map(pack, weights))), plan.num_micro
+
+
+@functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro", "train_actor", "packing"),
+                   donate_argnums=(0,))
 def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: AlgoConfig, num_micro: int,
-           train_actor: bool = True):
+           train_actor: bool = True, packing: packing_lib.Packing | None = None):
   """One optimizer step of the actor (if `train_actor`) and the critic (if cfg.critic) on the mini-batch `batch`.
 
   state: dict(params, opt_state[, critic, critic_opt_state]). kl_coef: float32 scalar (traced: it may adapt).
-  Micro-batch losses are normalised by counts of the whole mini-batch, so the summed gradient does not depend on
-  `num_micro`. Returns (state, metrics dict of scalars); `micro_grad_sq` is the mean squared norm of the micro-batch
-  mean actor gradients (for the gradient noise scale).
+  Micro-batches: `num_micro` slices of the rows, or with `packing` the sequences packed into rows of a fixed length
+  (`rl.packing`; as many micro-batches as they fill, a device scalar). Micro-batch losses are normalised by counts
+  of the whole mini-batch, so the summed gradient depends on neither. Returns (state, metrics dict of scalars);
+  `micro_grad_sq` is the mean squared norm of the micro-batch mean actor gradients (for the gradient noise scale).
   """
   if cfg.loss_agg == "constant" and cfg.loss_agg_constant <= 0:
     raise ValueError("loss_agg='constant' needs cfg.loss_agg_constant > 0; `train.setup` sets its default, the "
@@ -148,27 +166,31 @@ def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: Algo
                     losses.token_weights(batch.loss_mask_BxT, "token_mean"))
   trainable = (state["params"], state.get("critic"))
   grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+  if packing is None:
+    micro_batches, count = split_micro_batches((batch, weights), num_micro), num_micro
+  else:
+    micro_batches, count = packed(batch, weights, packing)
+  n = jnp.asarray(count, jnp.float32)
 
   def micro_grads(micro_and_weights):
     micro, micro_weights = micro_and_weights
-    (loss, aux), grads = grad_fn(trainable, micro, micro_weights, kl_coef, models, cfg, train_actor, num_micro)
-    # Each micro gradient is normalised by the whole mini-batch; x num_micro makes it (about) its own mean.
-    return (loss, aux, grads), optax.tree.norm(grads[0], squared=True) * num_micro**2
+    (loss, aux), grads = grad_fn(trainable, micro, micro_weights, kl_coef, models, cfg, train_actor, n)
+    # Each micro gradient is normalised by the whole mini-batch; x n makes it (about) its own mean.
+    return (loss, aux, grads), optax.tree.norm(grads[0], squared=True) * n**2
 
-  def accumulate(total, micro_and_weights):
-    return jax.tree.map(jnp.add, total, micro_grads(micro_and_weights)), None
+  def accumulate(i, total):
+    return jax.tree.map(jnp.add, total, micro_grads(jax.tree.map(lambda x: x[i], micro_batches)))
 
-  micro_batches = split_micro_batches((batch, weights), num_micro)
   shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro_batches))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  ((loss, aux, (policy_grads, critic_grads)), micro_sq_sum), _ = jax.lax.scan(accumulate, zeros, micro_batches)
+  (loss, aux, (policy_grads, critic_grads)), micro_sq_sum = jax.lax.fori_loop(0, count, accumulate, zeros)
   state = dict(state)
   metrics = dict(_router_metrics(aux), loss=loss, num_tokens=jnp.sum(batch.loss_mask_BxT))
   if train_actor:
     updates, state["opt_state"] = models.actor_tx.update(policy_grads, state["opt_state"], state["params"])
     state["params"] = optax.apply_updates(state["params"], updates)
     grad_sq = optax.tree.norm(policy_grads, squared=True)
-    metrics.update(grad_norm=jnp.sqrt(grad_sq), grad_sq=grad_sq, micro_grad_sq=micro_sq_sum / num_micro)
+    metrics.update(grad_norm=jnp.sqrt(grad_sq), grad_sq=grad_sq, micro_grad_sq=micro_sq_sum / n)
   if cfg.critic:
     updates, state["critic_opt_state"] = models.critic_tx.update(critic_grads, state["critic_opt_state"],
                                                                  state["critic"])
@@ -177,12 +199,39 @@ def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: Algo
   return state, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("models", "cfg", "need_policy"))
+def packed_forward(fn, tokens_BxT, valid_BxT, experts_BxTxLxK, packing: packing_lib.Packing):
+  """`fn(tokens, valid, experts, segment_ids, positions)` -> per-token outputs (or None), run on the packed rows
+  one micro-batch at a time (only those that hold tokens), each output back in the padded (B, T) layout."""
+  plan = packing_lib.plan(valid_BxT, packing=packing)
+  segment_ids, positions = packing_lib.segments(plan, valid_BxT)
+  tokens = packing_lib.pack(plan, tokens_BxT)
+  experts = None if experts_BxTxLxK is None else packing_lib.pack(plan, experts_BxTxLxK)
+  micro = lambda i: (tokens[i], segment_ids[i] > 0, None if experts is None else experts[i], segment_ids[i],
+                     positions[i])
+  shapes = jax.eval_shape(fn, *micro(0))
+
+  def body(i, outs):
+    return jax.tree.map(lambda out, x: out.at[i].set(x), outs, fn(*micro(i)))
+
+  outs = jax.tree.map(lambda s: jnp.zeros(tokens.shape[:1] + s.shape, s.dtype), shapes)
+  outs = jax.lax.fori_loop(0, plan.num_micro, body, outs)
+  return jax.tree.map(lambda x: packing_lib.unpack(plan, x), outs)
+
+
+@functools.partial(jax.jit, static_argnames=("models", "cfg", "need_policy", "packing"))
 def score(policy, critic, tokens_BxT, valid_BxT, loss_mask_BxT, experts_BxTxLxK=None, *, models: Models,
-          cfg: AlgoConfig, need_policy: bool = True):
+          cfg: AlgoConfig, need_policy: bool = True, packing: packing_lib.Packing | None = None):
   """(logp_BxT or None, values_BxT or None) without gradients, 0 off the loss mask: the trainer's old log-probs
-  and the critic's old values (before this step's updates), replaying the sampler's routing as `forward`."""
-  logp_BxT, _, values_BxT, _ = forward(policy, critic, tokens_BxT, valid_BxT, models, cfg, need_policy,
-                                       experts_BxTxLxK)
+  and the critic's old values (before this step's updates), replaying the sampler's routing as `forward`; over
+  packed rows with `packing`."""
+  def fn(tokens, valid, experts, segment_ids=None, positions=None):
+    logp, _, values, _ = forward(policy, critic, tokens, valid, models, cfg, need_policy, experts, segment_ids,
+                                 positions)
+    return logp, values
+
+  if packing is None:
+    logp_BxT, values_BxT = fn(tokens_BxT, valid_BxT, experts_BxTxLxK)
+  else:
+    logp_BxT, values_BxT = packed_forward(fn, tokens_BxT, valid_BxT, experts_BxTxLxK, packing)
   masked = lambda x: None if x is None else jnp.where(loss_mask_BxT, x, 0.0)
   return masked(logp_BxT), masked(values_BxT)

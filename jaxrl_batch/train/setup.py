@@ -17,6 +17,7 @@ from flax import nnx
 from jaxrl_batch import tasks
 from jaxrl_batch.config import family
 from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.sampling import SamplingParams
 from jaxrl_batch.text import chat_template as chat_template_lib
@@ -39,6 +40,20 @@ def check_pretrained_shape(hf_dir: str, model_cfg: ModelConfig) -> None:
                      "model= preset or set those fields.")
 
 
+def packing_for(tokens: int, length: int, data_parallel: int) -> packing_lib.Packing | None:
+  """Packed micro-batches of `tokens` (`micro_batch_tokens`): rows of `length` = prompt_len + response_len tokens, so
+  any sequence fits one, tokens // length rows each; None for 0 (micro-batches of `micro_batch_size` padded rows)."""
+  if not tokens:
+    return None
+  rows = tokens // length
+  if tokens < 0 or rows < 1 or rows % data_parallel:
+    raise ValueError(f"micro_batch_tokens={tokens} packs rows of {length} tokens (prompt_len + response_len): it "
+                     f"must hold at least one row and a number of rows divisible by the data-parallel device count "
+                     f"{data_parallel}, e.g. {length * data_parallel}; 0 = padded micro-batches of micro_batch_size "
+                     "rows.")
+  return packing_lib.Packing(rows, length)
+
+
 @dataclasses.dataclass
 class Experiment:
   """Resolved pieces of one run; build with `Experiment.create(config)`."""
@@ -53,6 +68,7 @@ class Experiment:
   prompt_len: int
   response_len: int
   chat: chat_template_lib.ChatTemplate | None = None
+  packing: packing_lib.Packing | None = None  # `micro_batch_tokens` > 0: packed micro-batches (`packing_for`)
 
   @property
   def stop_id(self) -> int:
@@ -84,7 +100,8 @@ class Experiment:
     if member.algo.loss_agg == "constant" and not member.algo.loss_agg_constant:  # Its one default: the budget.
       member = dataclasses.replace(member, algo=dataclasses.replace(member.algo, loss_agg_constant=float(response_len)))
     return cls(config, member, mesh, tokenizer, task, tasks.make_scorer(task, config.task), model_cfg, prompt_len,
-               response_len, chat)
+               response_len, chat, packing_for(config.get("micro_batch_tokens", 0), prompt_len + response_len,
+                                               sharding.data_parallel_size(mesh)))
 
   def _module_fn(self, seed: int):
     return lambda: Transformer(self.model_cfg, nnx.Rngs(seed))

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxrl_batch.rl import losses
+from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.rl.batch import sequence_logprobs
-from jaxrl_batch.rl.losses import masked_token_sum_mean
 from jaxrl_batch.runtime import streams
 from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.train.evaluation import eval_accuracy
@@ -46,14 +47,28 @@ def sft_arrays(exp: Experiment, problems, rng: np.random.Generator) -> tuple[np.
   return tokens, valid, loss_mask
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx"), donate_argnums=(0, 1))
-def sft_step(params, opt_state, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphdef, tx):
-  """One Adam step on the mean next-token cross-entropy over `loss_mask` tokens. Returns (params, opt, loss)."""
-  def loss_fn(p):
-    logp_BxT, _ = sequence_logprobs(graphdef, p, tokens_BxT, valid_BxT)
-    return -masked_token_sum_mean(logp_BxT, loss_mask_BxT, jnp.sum(loss_mask_BxT))
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "packing"), donate_argnums=(0, 1))
+def sft_step(params, opt_state, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphdef, tx,
+             packing: packing_lib.Packing | None = None):
+  """One Adam step on the mean next-token cross-entropy over `loss_mask` tokens, in one forward or, with
+  `packing`, over packed micro-batches (gradients accumulated). Returns (params, opt, loss)."""
+  def loss_fn(p, tokens, valid, loss_mask, segment_ids=None, positions=None):  # summed: / the batch's count
+    logp, _ = sequence_logprobs(graphdef, p, tokens, valid, 1.0, segment_ids, positions)
+    return -losses.masked_token_sum_mean(logp, loss_mask, jnp.sum(loss_mask_BxT))
 
-  loss, grads = jax.value_and_grad(loss_fn)(params)
+  if packing is None:
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT, valid_BxT, loss_mask_BxT)
+  else:
+    plan = packing_lib.plan(valid_BxT, packing=packing)
+    segment_ids, positions = packing_lib.segments(plan, valid_BxT)
+    tokens, loss_mask = (packing_lib.pack(plan, x) for x in (tokens_BxT, loss_mask_BxT))
+
+    def accumulate(i, total):
+      micro = (tokens[i], segment_ids[i] > 0, loss_mask[i], segment_ids[i], positions[i])
+      return jax.tree.map(jnp.add, total, jax.value_and_grad(loss_fn)(params, *micro))
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    loss, grads = jax.lax.fori_loop(0, plan.num_micro, accumulate, zeros)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, loss
 
@@ -93,7 +108,7 @@ def train(exp: Experiment):
     problems = exp.task.train_problems(streams.sft_prompt_seed(exp.config.seed), step, c.batch_size)
     batch = exp.shard_batch(sft_arrays(exp, problems, streams.sft_format_rng(exp.config.seed, step)))
     with jax.set_mesh(exp.mesh):
-      params, opt_state, loss = sft_step(params, opt_state, *batch, graphdef=graphdef, tx=tx)
+      params, opt_state, loss = sft_step(params, opt_state, *batch, graphdef=graphdef, tx=tx, packing=exp.packing)
     if (step + 1) % max(1, c.steps // 10) == 0 or step + 1 == c.steps:
       logging.info("SFT step %d/%d  loss %.4f  (%.0fs)", step + 1, c.steps, float(loss), time.time() - start)
   accuracy = eval_accuracy(exp, graphdef, params)

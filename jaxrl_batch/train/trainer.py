@@ -197,10 +197,10 @@ class Trainer:
             f"is fixed).")
 
   def _noise_scale(self, out) -> float | None:
-    """B_simple in rollouts (EMA over steps); None without micro-batching (it needs two batch sizes) or while the
-    actor is frozen."""
+    """B_simple in rollouts (EMA over steps); None without micro-batching (it needs two batch sizes), with packed
+    micro-batches (their sizes vary) or while the actor is frozen."""
     m = self.member
-    if m.num_micro < 2 or "grad_sq" not in out:
+    if m.num_micro < 2 or self.exp.packing is not None or "grad_sq" not in out:
       return None
     return self.noise_scale.update(out["micro_grad_sq"], out["grad_sq"], m.mini_batch_size // m.num_micro,
                                    m.mini_batch_size)
@@ -220,7 +220,7 @@ class Trainer:
     models = Models(self.graphdef, self.optimizer.tx, critic_graphdef,
                     self.critic_optimizer.tx if self.critic_optimizer else None)
     self.learner = Learner(self.algo, models, group_size=m.group_size, mini_batch_size=m.mini_batch_size,
-                           num_micro=m.num_micro, seed=m.seed, mesh=exp.mesh)
+                           num_micro=m.num_micro, seed=m.seed, mesh=exp.mesh, packing=exp.packing)
     return state
 
   def start(self) -> tuple[dict, dict]:
