@@ -9,7 +9,9 @@ runs micro-batches of --micro_rows rows of T = prompt + longest response tokens;
 sequences into micro-batches of the same --micro_rows x T tokens (`rl.packing`). Both are timed interleaved, the
 best of --repeats after a compiling call. Reports seconds, real tokens per second (prompt + response, no padding),
 the speedup packed / padded, and the share of the measured matmul rate each reaches (6 x parameters x real tokens,
-attention left out). Writes --out (JSON) and prints the table.
+attention left out). --compare_torch adds plain PyTorch as the anchor: transformers' model on the same weights,
+the same clipped GRPO loss with token-mean weights, backward over the same padded micro-batches and one Adam step
+(the `parity` extra), timed the same way; reported as ratios to it. Writes --out (JSON) and prints the table.
 """
 import json
 
@@ -43,6 +45,7 @@ flags.DEFINE_integer("rollouts", 64, "Sequences per update.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per sequence.")
 flags.DEFINE_integer("micro_rows", 8, "Rows per micro-batch (padded), and T x this many tokens per packed one.")
 flags.DEFINE_integer("repeats", 3, "Timed runs of each update; the best is kept.")
+flags.DEFINE_bool("compare_torch", False, "Also time a plain PyTorch update on the same padded micro-batches.")
 flags.DEFINE_string("out", "bench_update.json", "Output JSON path.")
 FLAGS = flags.FLAGS
 
@@ -61,6 +64,33 @@ def random_batch(lengths_B: np.ndarray, prompt_len: int, vocab: int, seed: int) 
   zeros = jnp.zeros(valid.shape, jnp.float32)
   return TrainBatch(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(loss_mask), logp, logp, zeros, adv, zeros,
                     zeros)
+
+
+def torch_update(cfg: ModelConfig, params, batch: TrainBatch, micro_rows: int):
+  """A call running one plain PyTorch GRPO update of transformers' model on our weights: per padded micro-batch the
+  clipped surrogate (clip 0.2) with token-mean weights over the whole batch, backward; then one Adam step."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from jaxrl_batch.hf.side_by_side import hf_model  # pylint: disable=import-outside-toplevel
+  model = hf_model(cfg, params).train()
+  opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+  tokens, valid, mask, old_logp, adv = (torch.as_tensor(np.asarray(x)) for x in (
+      batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT, batch.old_logp_BxT, batch.adv_BxT))
+  tokens, valid, mask = tokens.long(), valid.long(), mask.float()
+  weights = mask / mask.sum()
+
+  def call():
+    opt.zero_grad()
+    for i in range(0, tokens.shape[0], micro_rows):
+      rows = slice(i, i + micro_rows)
+      logits = model(input_ids=tokens[rows], attention_mask=valid[rows]).logits[:, :-1].float()
+      logp = torch.log_softmax(logits, -1).gather(-1, tokens[rows, 1:, None])[..., 0]
+      ratio = torch.exp(logp - old_logp[rows, 1:])
+      a = adv[rows, 1:]
+      loss = -(torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a) * weights[rows, 1:]).sum()
+      loss.backward()
+    opt.step()
+    return loss
+  return call
 
 
 def measure(model: str, lengths: str, machine: dict) -> dict:
@@ -92,7 +122,12 @@ def measure(model: str, lengths: str, machine: dict) -> dict:
              real_tokens=tokens, padded_tokens=FLAGS.rollouts * t, response_len_mean=float(lengths_B.mean()),
              response_len_max=int(lengths_B.max()), padded_s=padded_s, packed_s=packed_s,
              speedup=padded_s / packed_s)
-  for kind in ("padded", "packed"):
+  kinds = ["padded", "packed"]
+  if FLAGS.compare_torch:
+    out["torch_padded_s"], = best_seconds([torch_update(cfg, params, batch, FLAGS.micro_rows)], FLAGS.repeats)
+    out.update(padded_vs_torch=out["torch_padded_s"] / padded_s, packed_vs_torch=out["torch_padded_s"] / packed_s)
+    kinds.append("torch_padded")
+  for kind in kinds:
     seconds = out[f"{kind}_s"]
     out[f"{kind}_tokens_per_s"] = tokens / seconds
     out[f"{kind}_matmul_frac"] = flops / seconds / machine["matmul_flops_per_s"]
@@ -113,7 +148,9 @@ def main(argv):
   lines += [f"{r['model']:>6} {r['lengths']:>20} {r['response_len_mean']:>6.1f} {r['row_tokens']:>5} "
             f"{r['padded_s']:>9.3f} {r['packed_s']:>9.3f} {r['speedup']:>8.2f} {r['padded_tokens_per_s']:>13.0f} "
             f"{r['packed_tokens_per_s']:>13.0f} {100 * r['padded_matmul_frac']:>10.1f} "
-            f"{100 * r['packed_matmul_frac']:>10.1f}" for r in results]
+            f"{100 * r['packed_matmul_frac']:>10.1f}" + (
+                f"   torch padded {r['torch_padded_s']:.3f} s: jax padded {r['padded_vs_torch']:.2f}x, packed "
+                f"{r['packed_vs_torch']:.2f}x its speed" if "torch_padded_s" in r else "") for r in results]
   logging.info("Matmul rate %.1f GFLOP/s. Wrote %s\n%s", machine["matmul_flops_per_s"] / 1e9, FLAGS.out,
                "\n".join(lines))
 
