@@ -10,6 +10,8 @@
 #      continuous one on a paged cache of 4219 pages of 16, the memory of the 64-slot cache (at 256 slots it preempts);
 #      one timed run each (~3 min estimated; the JSON is rewritten after each slot count, so a timeout still reports
 #      64).
+# Environment: JAX's CUDA 12 build and the test extra, `pip install -e '.[cuda,test]'` (the device machine reaches no
+# package index: install where it does, or carry the environment).
 # Logs and JSON go to $OUT (default ./gpu_out). Every step runs even if an earlier one failed; the exit status is
 # non-zero if any failed.
 #   OUT=/tmp/gpu_out bash launch/gpu_checks.sh

@@ -18,9 +18,10 @@
 # bucket): orbax writes each checkpoint from all hosts together.
 #
 # Environment: TPU_NAME, ZONE (required); PROJECT (gcloud's default if unset); REPO_DIR (relative to the remote home
-# directory, default jaxrl_batch); PYTHON (default python3); MODULE (default launch.train; launch.study, launch.sft).
+# directory, default jaxrl_batch); PYTHON (default python3); MODULE (default launch.train; launch.study, launch.sft);
+# INSTALL=1 first runs `pip install -e '.[tpu]'` (JAX's TPU build) in REPO_DIR on every worker.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME to the TPU VM name}" "${ZONE:?set ZONE to its zone}"
 args=$(printf ' %q' "$@")
 exec gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" ${PROJECT:+--project="$PROJECT"} --worker=all \
-    --command="cd ${REPO_DIR:-jaxrl_batch} && ${PYTHON:-python3} -m ${MODULE:-launch.train} --distributed$args"
+    --command="cd ${REPO_DIR:-jaxrl_batch} && ${INSTALL:+${PYTHON:-python3} -m pip install -e '.[tpu]' && }${PYTHON:-python3} -m ${MODULE:-launch.train} --distributed$args"
