@@ -12,7 +12,7 @@ import pytest
 from jaxrl_batch.model import sequence_logits
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.learner import reference_logprobs
-from jaxrl_batch.rl.packing import Packing, first_fit_decreasing, pack, plan, segments, unpack
+from jaxrl_batch.rl.packing import Packing, first_fit_decreasing, pack, plan, unpack
 from jaxrl_batch.rl.update import score
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train.sft import sft_step
@@ -41,7 +41,7 @@ def test_packing_round_trips_and_counts_the_micro_batches_it_fills():
   assert int((packed > 0).sum()) == valid.sum()  # every token once
   rows_used = int((np.asarray(packed) > 0).any(-1).sum())
   assert int(the_plan.num_micro) == -(-rows_used // PACKED.rows) and rows_used <= B // 2
-  segment_ids, positions = segments(the_plan, batch.valid_BxT)
+  segment_ids, positions = the_plan.segment_ids_MxRxL, the_plan.positions_MxRxL
   for row_ids, row_pos in zip(*(np.asarray(x).reshape(-1, PACKED.length) for x in (segment_ids, positions))):
     for s in set(row_ids) - {0}:  # each sequence is contiguous, its positions 0..n-1
       cols = np.flatnonzero(row_ids == s)
@@ -54,7 +54,7 @@ def test_attention_stays_within_each_packed_sequence():
   models, state = setup(sharding.make_mesh(1, 1, 1, devices=ONE), AlgoConfig())
   padded = sequence_logits(models.graphdef, state["params"], batch.tokens_BxT, batch.valid_BxT)
   the_plan = plan(batch.valid_BxT, packing=PACKED)
-  segment_ids, positions = segments(the_plan, batch.valid_BxT)
+  segment_ids, positions = the_plan.segment_ids_MxRxL, the_plan.positions_MxRxL
   tokens = pack(the_plan, batch.tokens_BxT)
   packed = jax.vmap(lambda t, s, p: sequence_logits(models.graphdef, state["params"], t, s > 0, s, p))(
       tokens, segment_ids, positions)

@@ -19,9 +19,9 @@ DEFINITIONS = {
     "time_to_target_s": "T: the training clock at S, linearly interpolated in samples between training rows",
     "throughput_samples_per_s": "R: samples of training rows except the first / their summed phase seconds; "
                                 "<phase>_s_per_sample splits 1/R into rollout, reward, update",
-    "aggregate": "member = (rule, batch, staleness); S and T are means over seeds that reached the target, R the mean over "
-                 "all seeds; *_ci: 90% percentile bootstrap over seeds (2000 resamples, fixed seed), [x, x] for "
-                 "one seed",
+    "aggregate": "member = (rule, batch, staleness); S and T are means over seeds that reached the target, R the "
+                 "mean over all seeds; *_ci: 90% percentile bootstrap over seeds (2000 resamples, fixed seed), "
+                 "[x, x] for one seed",
     "decision": "against the reference member: gain = R/R0, penalty = S/S0, predicted_time_ratio = penalty/gain, "
                 "measured_time_ratio = T/T0 with measured_time_ratio_ci, its 90% percentile bootstrap over both "
                 "members' seeds (resampled independently); verdict faster if that interval lies below 1, slower if "

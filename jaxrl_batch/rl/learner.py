@@ -14,8 +14,8 @@ import numpy as np
 from jaxrl_batch.rl import advantages as adv_lib
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.algorithm import AlgoConfig
-from jaxrl_batch.rl.packing import Packing
 from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs
+from jaxrl_batch.rl.packing import Packing
 from jaxrl_batch.rl.update import Models, packed_forward, score, update
 from jaxrl_batch.runtime import sharding, streams
 

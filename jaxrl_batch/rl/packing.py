@@ -32,10 +32,14 @@ class Plan(NamedTuple):
   dest_BxT: int32 flat index into the M*R*L packed tokens (M*R*L for padding: nowhere).
   src_MxRxL: int32 flat index into the B*T padded tokens (-1 for packing padding).
   num_micro: int32 scalar, micro-batches that hold tokens (the others are all padding).
+  segment_ids_MxRxL: int32, the padded row's index + 1 of each packed token (0 = padding).
+  positions_MxRxL: int32, each packed token's position in its own sequence.
   """
   dest_BxT: jax.Array
   src_MxRxL: jax.Array
   num_micro: jax.Array
+  segment_ids_MxRxL: jax.Array
+  positions_MxRxL: jax.Array
 
 
 def micro_batches(batch_size: int, packing: Packing) -> int:
@@ -77,17 +81,22 @@ def plan(valid_BxT: jax.Array, *, packing: Packing) -> Plan:
   src = jnp.full((size,), -1, jnp.int32).at[dest_BxT.reshape(-1)].set(jnp.arange(b * t, dtype=jnp.int32),
                                                                        mode="drop")
   bins_used = jnp.max(jnp.where(lengths_B > 0, bin_B, -1)) + 1
-  return Plan(dest_BxT, src.reshape(m, r, length), ((bins_used + r - 1) // r).astype(jnp.int32))
+  src_MxRxL = src.reshape(m, r, length)
+  row_BxT = jnp.broadcast_to(jnp.arange(1, b + 1, dtype=jnp.int32)[:, None], (b, t))
+  return Plan(dest_BxT, src_MxRxL, ((bins_used + r - 1) // r).astype(jnp.int32), _gather(src_MxRxL, row_BxT),
+              _gather(src_MxRxL, positions_from_valid(valid_BxT)))
+
+
+def _gather(src_MxRxL: jax.Array, x_BxT: jax.Array) -> jax.Array:
+  b, t = x_BxT.shape[:2]
+  out = jnp.take(x_BxT.reshape(b * t, *x_BxT.shape[2:]), jnp.maximum(src_MxRxL, 0), axis=0)
+  keep = (src_MxRxL >= 0).reshape(src_MxRxL.shape + (1,) * (x_BxT.ndim - 2))
+  return jnp.where(keep, out, jnp.zeros((), x_BxT.dtype))
 
 
 def pack(plan_: Plan, x_BxT: jax.Array) -> jax.Array:
   """(B, T, ...) -> (M, R, L, ...): each token at its packed place, zeros (False) in the packing's padding."""
-  b, t = x_BxT.shape[:2]
-  flat = x_BxT.reshape(b * t, *x_BxT.shape[2:])
-  src = plan_.src_MxRxL
-  out = jnp.take(flat, jnp.maximum(src, 0), axis=0)
-  keep = (src >= 0).reshape(src.shape + (1,) * (x_BxT.ndim - 2))
-  return jnp.where(keep, out, jnp.zeros((), x_BxT.dtype))
+  return _gather(plan_.src_MxRxL, x_BxT)
 
 
 def unpack(plan_: Plan, x_MxRxL: jax.Array) -> jax.Array:
@@ -98,11 +107,3 @@ def unpack(plan_: Plan, x_MxRxL: jax.Array) -> jax.Array:
   out = jnp.take(flat, jnp.minimum(dest, m * r * length - 1), axis=0)
   keep = (dest < m * r * length).reshape(dest.shape + (1,) * (x_MxRxL.ndim - 3))
   return jnp.where(keep, out, jnp.zeros((), x_MxRxL.dtype))
-
-
-def segments(plan_: Plan, valid_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(segment_ids_MxRxL, positions_MxRxL) of the packing: the padded row's index + 1 (0 = padding), and each
-  token's position in its own sequence."""
-  b, t = valid_BxT.shape
-  row_BxT = jnp.broadcast_to(jnp.arange(1, b + 1, dtype=jnp.int32)[:, None], (b, t))
-  return pack(plan_, row_BxT), pack(plan_, positions_from_valid(valid_BxT))

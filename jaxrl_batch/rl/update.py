@@ -4,7 +4,8 @@ The loss of a mini-batch is
   sum_t w_t * [ pg_t * tis_t + kl_coef * kl_t (KL in the loss) - entropy_coef * H_t ] + vf_coef * sum_t w_t * vl_t
 with w from `losses.token_weights` (the configured aggregation, counts taken over the whole mini-batch), pg the
 clipped surrogate, tis the importance weight pi_trainer / pi_sampler truncated at the cap or, rl.tis_mode='mask',
-zero past it (`losses.behaviour_weight`; 1 when rl.tis_cap = 0) and vl the clipped value loss (PPO). Logged scalars use token-mean weights, whatever the aggregation.
+zero past it (`losses.behaviour_weight`; 1 when rl.tis_cap = 0) and vl the clipped value loss (PPO). Logged scalars
+use token-mean weights, whatever the aggregation.
 
 A mixture-of-experts policy replays the sampler's routing (`TrainBatch.experts_BxTxLxK`) when
 `model.routing_replay`, adds rl.router_aux_loss_coef x the load-balancing loss when > 0, and logs
@@ -142,9 +143,9 @@ def packed(batch: TrainBatch, weights: Weights, packing: packing_lib.Packing
   number of micro-batches that hold tokens (`rl.packing`)."""
   plan = packing_lib.plan(batch.valid_BxT, packing=packing)
   pack = lambda x: None if x is None else packing_lib.pack(plan, x)
-  segment_ids, positions = packing_lib.segments(plan, batch.valid_BxT)
-  micro = TrainBatch(*(pack(x) for x in batch[:10]), positions_BxT=positions, segment_ids_BxT=segment_ids)
-  return (micro._replace(valid_BxT=segment_ids > 0), Weights(*map(pack, weights))), plan.num_micro
+  micro = TrainBatch(*(pack(x) for x in batch[:10]), positions_BxT=plan.positions_MxRxL,
+                     segment_ids_BxT=plan.segment_ids_MxRxL)
+  return (micro._replace(valid_BxT=plan.segment_ids_MxRxL > 0), Weights(*map(pack, weights))), plan.num_micro
 
 
 @functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro", "train_actor", "packing"),
@@ -203,7 +204,7 @@ def packed_forward(fn, tokens_BxT, valid_BxT, experts_BxTxLxK, packing: packing_
   """`fn(tokens, valid, experts, segment_ids, positions)` -> per-token outputs (or None), run on the packed rows
   one micro-batch at a time (only those that hold tokens), each output back in the padded (B, T) layout."""
   plan = packing_lib.plan(valid_BxT, packing=packing)
-  segment_ids, positions = packing_lib.segments(plan, valid_BxT)
+  segment_ids, positions = plan.segment_ids_MxRxL, plan.positions_MxRxL
   tokens = packing_lib.pack(plan, tokens_BxT)
   experts = None if experts_BxTxLxK is None else packing_lib.pack(plan, experts_BxTxLxK)
   micro = lambda i: (tokens[i], segment_ids[i] > 0, None if experts is None else experts[i], segment_ids[i],

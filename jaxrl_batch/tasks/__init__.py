@@ -39,6 +39,7 @@ def make_task(name: str, task_cfg) -> Task:
 def make_scorer(task: Task, task_cfg) -> RewardScorer:
   """The scorer of `task.reward` with the config group's `SCORING_FIELDS` (missing ones take their defaults)."""
   fields = {key: task_cfg[key] if key in task_cfg else default for key, default in SCORING_FIELDS.items()}
+  # task.reward is looked up at each call, so a reward swapped on the task object (a wrapper, a test) is the one used.
   return RewardScorer(lambda completion, problem: task.reward(completion, problem), workers=fields["reward_workers"],
                       timeout_s=fields["reward_timeout_s"], stream=fields["stream_rewards"])
 

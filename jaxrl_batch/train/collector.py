@@ -2,10 +2,10 @@
 handling. The rollouts stay on the device; only the prompts go up, the response tokens come down (for decoding and
 scoring) and the rewards go up (`runtime.transfer`).
 
-Rewards stream (`task.stream_rewards`): with the continuous engine (one process), the responses that end in a chunk come down while the
-next chunk decodes, and the experiment's `RewardScorer` decodes and scores them on host threads, so scoring
-overlaps generation and `reward_s` is only the wait for the last rewards after it. The static engine's rows end
-together: they are scored after it.
+Rewards stream (`task.stream_rewards`): with the continuous engine (one process), the responses that end in a chunk
+come down while the next chunk decodes, and the experiment's `RewardScorer` decodes and scores them on host threads,
+so scoring overlaps generation and `reward_s` is only the wait for the last rewards after it. The static engine's
+rows end together: they are scored after it.
 
 Round r of step s draws its prompts from the stream `streams.rl_prompt_seed(seed, r)` and its sampling key from
 (seed, s, r): round 0 is exactly the run without dynamic sampling, and a resumed run replays every round.
@@ -171,8 +171,9 @@ class Collector:
       scoring.submit(range(len(problems_B)), lambda: exp.decode_responses(tokens_BxN, mask_BxN))
     engine_stats = engine_stats or static_stats(lengths_B, self.slots or m.batch_size)
     scores = scoring.result()
-    if scores.failures():
-      logging.warning("Step %d: the reward function %s", step, scores.failures())
+    failures = scores.failures()
+    if failures:
+      logging.warning("Step %d: the reward function %s", step, failures)
     device = (prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN, out.experts_BxTxLxK)
     return dict(device=device, task_rewards_B=scores.rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
                 errors=scores.errors, timeouts=scores.timeouts, rollout_s=t1 - t0, reward_s=time.time() - t1,

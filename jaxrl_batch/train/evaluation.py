@@ -21,8 +21,9 @@ def evaluate(exp: Experiment, graphdef, params) -> dict:
                    eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id, sampling=SamplingParams(temperature=0.0))
   completions = exp.decode_responses(*to_host((out.tokens_BxN, out.mask_BxN)))
   scores = exp.scorer.score(completions[: len(problems)], problems)
-  if scores.failures():
-    logging.warning("Evaluation: the reward function %s", scores.failures())
+  failures = scores.failures()
+  if failures:
+    logging.warning("Evaluation: the reward function %s", failures)
   return dict(eval_accuracy=float(scores.rewards_B.mean()), eval_reward_errors=scores.errors + scores.timeouts)
 
 

@@ -186,8 +186,9 @@ class PartialCollector(Collector):
       completions = exp.decode_responses(np.stack([s["tokens"] for s in ended]), mask_ExN)
       scores = exp.scorer.score(completions, [s["problem"] for s in ended])
       errors, timeouts = scores.errors, scores.timeouts
-      if scores.failures():
-        logging.warning("Step %d: the reward function %s", step, scores.failures())
+      failures = scores.failures()
+      if failures:
+        logging.warning("Step %d: the reward function %s", step, failures)
       for seq, reward in zip(ended, scores.rewards_B):
         seq["reward"] = float(reward)
         self.finished[seq["uid"]] = seq

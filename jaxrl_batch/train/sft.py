@@ -60,7 +60,7 @@ def sft_step(params, opt_state, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphde
     loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT, valid_BxT, loss_mask_BxT)
   else:
     plan = packing_lib.plan(valid_BxT, packing=packing)
-    segment_ids, positions = packing_lib.segments(plan, valid_BxT)
+    segment_ids, positions = plan.segment_ids_MxRxL, plan.positions_MxRxL
     tokens, loss_mask = (packing_lib.pack(plan, x) for x in (tokens_BxT, loss_mask_BxT))
 
     def accumulate(i, total):
