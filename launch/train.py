@@ -13,15 +13,24 @@ must then be on a filesystem every host sees. Two processes on one machine (CPU,
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m launch.train --config=configs/grpo_arith.py:debug \
       --workdir=/tmp/mp --config.sft.cache_dir=/tmp/mp_base --distributed --coordinator=localhost:12355 \
       --num_processes=2 --process_id=0    # and the same with --process_id=1
+
+A run's config is fixed. To go on from one of its checkpoints with something changed (after a divergence: a lower
+learning rate, a tighter clip), branch it into a new directory; the source is only read:
+
+  python -m launch.train --config=configs/grpo_arith.py --workdir=/tmp/grpo_arith_lr5e-4 \
+      --branch_from=/tmp/grpo_arith --branch_step=20 --config.optim.base_lr=5e-4
 """
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrl_batch.train.branch import Origin
 from jaxrl_batch.train.trainer import Trainer
 from launch import runtime
 
 config_flags.DEFINE_config_file("config", None, "Config file (`path.py:args`).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints/, metrics.jsonl, config.json.")
+flags.DEFINE_string("branch_from", "", "Run directory whose checkpoint a new --workdir starts from (train.branch).")
+flags.DEFINE_integer("branch_step", -1, "The --branch_from checkpoint step to start from; -1 = its latest.")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
@@ -29,7 +38,8 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   runtime.setup()
-  runtime.run_to_exit(lambda: Trainer(FLAGS.config, FLAGS.workdir).run())
+  origin = Origin(FLAGS.branch_from, None if FLAGS.branch_step < 0 else FLAGS.branch_step) if FLAGS.branch_from else None
+  runtime.run_to_exit(lambda: Trainer(FLAGS.config, FLAGS.workdir, branch_from=origin).run())
 
 
 if __name__ == "__main__":

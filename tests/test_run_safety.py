@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import grpo_arith
+from configs import grpo_arith, ppo_arith
 from jaxrl_batch.config.args import apply_overrides
 from jaxrl_batch.runtime.checkpointing import Checkpointer, NoUsableCheckpoint, all_finite
 from jaxrl_batch.study.runner import run_study
 from jaxrl_batch.train import rundir
+from jaxrl_batch.train.branch import Origin
 from jaxrl_batch.train.trainer import Trainer
 from jaxrl_batch.train.workdir_lock import WorkdirBusy, WorkdirLock
 
@@ -25,10 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_DEVICE = ("mesh.data=1",)
 
 
-def config(base_cache, sample_budget=192):
+def config(base_cache, sample_budget=192, overrides=(), family=grpo_arith):
   """6 steps of 32 rollouts by default; checkpoints at steps 2, 4, 6 (the last two kept)."""
-  c = grpo_arith.get_config("debug")
-  apply_overrides(c, [*ONE_DEVICE, f"sft.cache_dir={base_cache}", f"sample_budget={sample_budget}"])
+  c = family.get_config("debug")
+  apply_overrides(c, [*ONE_DEVICE, f"sft.cache_dir={base_cache}", f"sample_budget={sample_budget}", *overrides])
   return c
 
 
@@ -157,6 +158,19 @@ def test_non_finite_state_is_never_saved(base_cache, tmp_path, poison_update):
   assert Checkpointer(rundir.checkpoints_dir(workdir)).latest_step() is None
 
 
+def test_the_non_finite_advice_is_a_branch_that_trains_on(base_cache, tmp_path, poison_update):
+  poison_update(3, lambda state, metrics: (dict(state, params=jax.tree.map(lambda x: x * jnp.nan, state["params"])),
+                                           metrics))
+  workdir, branch = str(tmp_path / "run"), str(tmp_path / "branch")
+  with pytest.raises(FloatingPointError, match=rf"checkpoint in {workdir}/checkpoints \(step 2\) holds finite state.*"
+                                               rf"--workdir=<new dir> --branch_from={workdir} --config.optim.base_lr="):
+    Trainer(config(base_cache), workdir, devices=ONE).run()
+  Trainer(config(base_cache, overrides=("optim.base_lr=0.001",)), branch, devices=ONE,
+          branch_from=Origin(workdir)).run()
+  rows = rundir.read_metrics(branch)
+  assert rows[-1]["step"] == 6 and all(r["loss"] is not None for r in rows if "loss" in r)
+
+
 # -- the metrics log -------------------------------------------------------------------------------------------------
 
 def test_a_torn_last_row_is_dropped_on_resume(finished_run, base_cache, tmp_path):
@@ -202,6 +216,56 @@ def test_evaluation_counts_and_logs_reward_errors(base_cache, tmp_path, monkeypa
   assert len(evals) == 2 and all(r["eval_reward_errors"] > 0 for r in evals)
   assert "Evaluation: the reward function raised on 1 of 16 samples (scored 0)" in caplog.text
   assert "parser exploded" in caplog.text
+
+
+# -- branching ------------------------------------------------------------------------------------------------------
+
+def test_a_branch_without_changes_replays_its_source_which_it_only_reads(finished_run, base_cache, tmp_path):
+  before = snapshot(finished_run)
+  workdir = str(tmp_path / "branch")
+  Trainer(config(base_cache), workdir, devices=ONE, branch_from=Origin(finished_run, 4)).run()
+  assert rundir.rows_mismatch(rundir.read_metrics(workdir), rundir.read_metrics(finished_run)) is None
+  assert rundir.read_config(workdir)["branched_from"] == dict(workdir=finished_run, step=4, samples=128, changed=[])
+  assert snapshot(finished_run) == before
+
+
+def test_a_branch_trains_on_from_the_step_with_the_changes_it_records(finished_run, base_cache, tmp_path):
+  workdir = str(tmp_path / "branch")
+  # Two more steps from the source's last checkpoint (step 6), at 10x the lr and without the clip (its removal keeps
+  # the optimizer state's shape); the rerun resumes the branch like any run.
+  branch = lambda: Trainer(config(base_cache, 256, ("optim.base_lr=0.02", "optim.grad_clip=0.0")), workdir,
+                           devices=ONE, branch_from=Origin(finished_run)).run()
+  branch()
+  rows = rundir.read_metrics(workdir)
+  branch()
+  assert rundir.read_metrics(workdir) == rows
+  source = rundir.read_metrics(finished_run)
+  assert rundir.rows_mismatch(rows[: len(source)], source) is None
+  assert [r["step"] for r in rows[len(source):]] == [7, 8, 8]  # Two steps, then the final evaluation.
+  assert rows[len(source)]["lr"] == pytest.approx(10 * source[-2]["lr"])
+  assert rundir.read_config(workdir)["branched_from"]["changed"] == [
+      "optim.base_lr: 0.002 -> 0.02", "optim.grad_clip: 1.0 -> 0.0", "sample_budget: 192 -> 256"]
+
+
+def test_a_branch_that_cannot_start_names_why_and_writes_nothing(finished_run, base_cache, tmp_path):
+  new = str(tmp_path / "new")
+  cases = [
+      (Origin(str(tmp_path / "nowhere")), (), FileNotFoundError, r"holds no run \(no config.json\)"),
+      (Origin(finished_run, 3), (), FileNotFoundError, r"no checkpoint at step 3 \(it holds \[4, 6\]\)"),
+      (Origin(finished_run), ("rl.max_staleness=1",), ValueError, r"lacks rollouts in flight"),
+  ]
+  for origin, overrides, error, message in cases:
+    with pytest.raises(error, match=message):
+      Trainer(config(base_cache, overrides=overrides), new, devices=ONE, branch_from=origin).run()
+    assert snapshot(new) == {}
+  with pytest.raises(ValueError, match=r"does not fit this config .*not what the state holds.*Nothing was changed"):
+    Trainer(config(base_cache, family=ppo_arith), new, devices=ONE, branch_from=Origin(finished_run)).run()
+  assert snapshot(new) == {}
+  existing = copy_of(finished_run, tmp_path)
+  before = snapshot(existing)
+  with pytest.raises(ValueError, match=r"already holds a run: a branch from .* needs a new --workdir"):
+    Trainer(config(base_cache), existing, devices=ONE, branch_from=Origin(finished_run)).run()
+  assert snapshot(existing) == before
 
 
 # -- signals and kills ----------------------------------------------------------------------------------------------

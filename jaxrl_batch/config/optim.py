@@ -94,6 +94,7 @@ def make_optimizer(optim_cfg: Any, samples_per_update: int, sample_budget: int, 
   if optim_cfg.grad_clip < 0:
     raise ValueError(f"grad_clip must be >= 0 (global norm; 0 disables), got {optim_cfg.grad_clip}.")
   tx = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=optim_cfg.weight_decay)
-  if optim_cfg.grad_clip > 0:
-    tx = optax.chain(optax.clip_by_global_norm(optim_cfg.grad_clip), tx)
+  # The clip (or identity) keeps the optimizer state's structure independent of grad_clip: a branch may change it.
+  clip = optax.clip_by_global_norm(optim_cfg.grad_clip) if optim_cfg.grad_clip > 0 else optax.identity()
+  tx = optax.chain(clip, tx)
   return Optimizer(tx=tx, schedule=schedule, lr=lr, adam=(b1, b2, eps), lr_at=lr_at)

@@ -47,6 +47,10 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """The steps of the directory's checkpoints, oldest first."""
+    return sorted(self._manager.all_steps())
+
   def step_path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
@@ -72,7 +76,7 @@ class Checkpointer:
     is usable, nothing is moved and NoUsableCheckpoint lists each checkpoint's path and problem.
     """
     rejected = []
-    for step in sorted(self._manager.all_steps(), reverse=True):
+    for step in reversed(self.all_steps()):
       try:
         state, meta = self.restore(abstract_state, step)
         reason = problem(state)

@@ -33,7 +33,7 @@ from jaxrl_batch.rl.update import Models
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
-from jaxrl_batch.train import evaluation, rundir, sft
+from jaxrl_batch.train import branch, evaluation, rundir, sft
 from jaxrl_batch.train.async_collector import AsyncCollector
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.partial import PartialCollector
@@ -79,9 +79,11 @@ def _split_devices(config: ml_collections.ConfigDict, devices) -> tuple[list, Ex
 class Trainer:
   """Runs one member of a batch family to its sample budget in `workdir` (resuming if it holds a checkpoint)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, devices=None,
+               branch_from: branch.Origin | None = None):
     self.config = config
     self.workdir = os.path.abspath(workdir)
+    self.branch_from = branch_from  # Seeds a new workdir from another run's checkpoint (`train.branch`).
     learner_devices, rollout_exp = _split_devices(config, devices)
     self.exp = Experiment.create(config, devices=learner_devices)
     self.member = m = self.exp.member
@@ -186,15 +188,21 @@ class Trainer:
     self._warned_uniform = True
     logging.warning(
         "Step %d: the policy's token entropy %.3f nats is %.0f%% of ln V = %.3f, the entropy of a uniform policy: it "
-        "has collapsed and samples noise (lr %.3g). Such a run rarely recovers: stop it and start a new --workdir "
-        "with a lower optim.base_lr (or optim.lr) or a tighter optim.grad_clip.", row["step"], row["entropy"],
+        "has collapsed and samples noise (lr %.3g). Such a run rarely recovers: stop it, and branch it from a "
+        "checkpoint before the collapse (launch.train --branch_from, --branch_step) or start a new --workdir, with "
+        "a lower optim.base_lr (or optim.lr) or a tighter optim.grad_clip.", row["step"], row["entropy"],
         100 * row["entropy"] / max_entropy, max_entropy, row["lr"])
 
   def _nan_advice(self) -> str:
-    return (f"Stopped before saving: the last checkpoint in {self.checkpointer.directory} (step "
-            f"{self.checkpointer.latest_step()}) holds finite state. A rerun here repeats the same steps; to train "
-            f"on, start a new --workdir with a lower optim.base_lr or an optim.grad_clip (this directory's config "
-            f"is fixed).")
+    latest = self.checkpointer.latest_step()
+    if latest is None:
+      return ("Stopped before saving: there is no checkpoint yet. A rerun here repeats the same steps; start a new "
+              "--workdir with a lower optim.base_lr or a tighter optim.grad_clip.")
+    return (f"Stopped before saving: the last checkpoint in {self.checkpointer.directory} (step {latest}) holds "
+            "finite state. A rerun here repeats the same steps (this directory's config is fixed); to train on from "
+            f"step {latest} with a change, branch it into a new directory: python -m launch.train --config=<this "
+            f"config> --workdir=<new dir> --branch_from={self.workdir} --config.optim.base_lr=<lower> (or "
+            "--config.optim.grad_clip=<tighter>).")
 
   def _noise_scale(self, out) -> float | None:
     """B_simple in rollouts (EMA over steps); None without micro-batching (it needs two batch sizes), with packed
@@ -234,19 +242,25 @@ class Trainer:
     os.makedirs(self.workdir, exist_ok=True)
     self.lock.acquire()
     self.check_workdir()
-    rundir.check_resumable(self.workdir)
+    seeding = branch.pending(self.branch_from, self.workdir)
+    if not seeding:  # A branch's seeding replaces whatever an interrupted seeding left.
+      rundir.check_resumable(self.workdir)
     with transfer.scope("base_policy"):  # The warm start (trained or restored) moves whole trees.
       self.graphdef, base_params, base_dir = sft.load_or_train(exp)
     # The reference policy is held only when a KL term exists.
     self.ref_params = jax.tree.map(lambda x: x.copy(), base_params) if algo.use_kl else None
-    self.checkpointer = Checkpointer(rundir.checkpoints_dir(self.workdir))
     state = self._initial_state(base_params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    if seeding:
+      with transfer.scope("restore"):
+        branch.seed(self.branch_from, self.workdir, abstract, self._carries_rollouts,
+                    self._resolved_config(base_dir))
+    self.checkpointer = Checkpointer(rundir.checkpoints_dir(self.workdir))
     progress = dict(step=0, samples=0, samples_generated=0, wall_s=0.0, kl_coef=algo.kl_coef)
     if self.checkpointer.latest_step() is not None:
       with transfer.scope("restore"):
-        state, meta = self.checkpointer.restore_usable(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
-            lambda restored: None if bool(all_finite(restored)) else "non-finite parameters or optimizer state")
+        problem = lambda restored: None if bool(all_finite(restored)) else "non-finite parameters or optimizer state"
+        state, meta = self.checkpointer.restore_usable(abstract, problem)
       if self._carries_rollouts:
         self.collector.load_state_dict(meta.pop("rollouts"))
       progress.update(meta)
