@@ -134,8 +134,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.sample_budget = 49_152  # Total rollouts of the run: every member trains on the same number of samples.
   c.eval_every_samples = 4096  # Greedy held-out evaluation cadence, in samples.
+  # Sampled evaluation (train.evaluation), may change on resume: k completions per held-out problem (0 = greedy
+  # only), logged as eval_pass1, eval_pass_at_k, eval_maj_at_k beside the greedy eval_accuracy.
+  c.eval = ml_collections.ConfigDict(dict(
+      num_samples=0,  # k samples per held-out problem; 0 = off.
+      temperature=1.0,  # Temperature of those samples (> 0; no top-k / top-p).
+  ))
   c.checkpoint_every_samples = 4096  # Checkpoint cadence, in samples.
-  c.log_every_steps = 5  # Progress line cadence, in steps.
+  c.log_every_steps = 5  # Progress line cadence, in steps (the line shows one of the step's completions).
+  c.log_samples_every_steps = 10  # samples.jsonl cadence, in steps (0 = never): a few rollouts as text.
+  c.log_samples_count = 4  # Rollouts logged each time: the first of the batch (one prompt's group by default).
+  c.log_samples_max_chars = 2000  # Longer prompts and completions keep their head and tail (0 = no limit).
+  c.writers = ("jsonl",)  # Where metrics rows go (jaxrl_batch.train.writers): jsonl (always) | tensorboard | wandb.
+  c.wandb = ml_collections.ConfigDict(dict(
+      project="jaxrl_batch",  # W&B project.
+      name="",  # Run name; "" = the workdir's basename.
+      group="",  # Run group; "" = the study's directory for a study member, else '<task>_<algo>_<lr rule>'.
+      mode="",  # online | offline | disabled; "" = W&B's default (WANDB_MODE).
+  ))
 
   c.sft = ml_collections.ConfigDict(dict(
       steps=2000,  # Supervised warm-start steps (cross-entropy on the completion tokens).

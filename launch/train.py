@@ -38,7 +38,9 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   runtime.setup()
-  origin = Origin(FLAGS.branch_from, None if FLAGS.branch_step < 0 else FLAGS.branch_step) if FLAGS.branch_from else None
+  origin = None
+  if FLAGS.branch_from:
+    origin = Origin(FLAGS.branch_from, None if FLAGS.branch_step < 0 else FLAGS.branch_step)
   runtime.run_to_exit(lambda: Trainer(FLAGS.config, FLAGS.workdir, branch_from=origin).run())
 
 

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from configs import grpo_arith, grpo_gsm8k_qwen
-from jaxrl_batch.config.args import parse_arg
+from jaxrl_batch.config.args import apply_overrides, parse_arg
 from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.model import ModelConfig
 from jaxrl_batch.runtime import sharding
@@ -66,6 +66,9 @@ def test_parse_arg_types_and_errors():
     parse_arg("batch=x", batch=128)
   with pytest.raises(ValueError, match="needs a value"):
     parse_arg("batch", batch=128)
+  c = grpo_arith.get_config("debug")
+  apply_overrides(c, ["writers=jsonl, tensorboard"])  # launch.study --set: a tuple field takes comma-separated names.
+  assert c.writers == ("jsonl", "tensorboard")
 
 
 def test_reward_errors_and_timeouts_are_counted_not_raised():

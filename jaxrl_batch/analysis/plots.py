@@ -18,8 +18,8 @@ def _series(rule: str, staleness: int) -> str:
   return rule + (f", k={staleness}" if staleness else "")
 
 
-def _accuracy(members: list[MemberResults], target: float, in_time: bool) -> Figure:
-  """One panel per rule, one seed-mean line per batch, the target as a dashed line."""
+def _accuracy(members: list[MemberResults], target: float, metric: str, in_time: bool) -> Figure:
+  """One panel per rule, one seed-mean line per batch of the evaluation `metric`, the target as a dashed line."""
   rules = _rules(members)
   fig = Figure(figsize=(5 * len(rules), 4))
   fig.subplots_adjust(bottom=0.14, left=0.08, right=0.98, wspace=0.1)
@@ -31,7 +31,7 @@ def _accuracy(members: list[MemberResults], target: float, in_time: bool) -> Fig
     ax.axhline(target, color="k", linestyle="--", linewidth=1, label=f"target {target}")
     ax.set(title=f"rule: {rule}", xlabel="training seconds" if in_time else "samples")
     ax.legend(fontsize="small")
-  axes[0].set_ylabel("held-out accuracy (seed mean)")
+  axes[0].set_ylabel(f"held-out {metric} (seed mean)")
   return fig
 
 
@@ -84,10 +84,11 @@ def _time_to_target(members: list[MemberResults], summaries: dict[str, dict], ta
   return fig
 
 
-def write(members: list[MemberResults], summaries: list[dict], target: float, out_dir: str) -> list[str]:
-  """Writes the four PNGs into `out_dir`; returns their file names."""
+def write(members: list[MemberResults], summaries: list[dict], target: float, out_dir: str,
+          metric: str = "eval_accuracy") -> list[str]:
+  """Writes the four PNGs into `out_dir` (curves of the evaluation field `metric`); returns their file names."""
   by_name = {s["member"]: s for s in summaries}
-  figures = (_accuracy(members, target, in_time=False), _accuracy(members, target, in_time=True),
+  figures = (_accuracy(members, target, metric, in_time=False), _accuracy(members, target, metric, in_time=True),
              _throughput(members, by_name), _time_to_target(members, by_name, target))
   for name, fig in zip(FILES, figures):
     fig.savefig(os.path.join(out_dir, name), dpi=100)

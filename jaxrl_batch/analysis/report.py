@@ -103,8 +103,8 @@ def render(analysis: dict) -> str:
   """The whole report.md."""
   parts = [
       f"# Batch study: time to accuracy {analysis['target']}",
-      f"Reference member: {analysis['reference']}; smoothing: {analysis['smooth']} evaluation point(s); "
-      f"invariance tolerance: {analysis['invariance_tol']}. Ratios are against the reference "
+      f"Metric: `{analysis['metric']}`. Reference member: {analysis['reference']}; smoothing: {analysis['smooth']} "
+      f"evaluation point(s); invariance tolerance: {analysis['invariance_tol']}. Ratios are against the reference "
       "(measured < 1: faster). Verdicts are statistical: faster or slower only when the 90% bootstrap interval "
       "of the measured time ratio (over both members' seeds) excludes 1, else indistinguishable. Censored: no "
       "seed reached the target.",

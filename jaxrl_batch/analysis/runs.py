@@ -1,10 +1,12 @@
 """Reads a study directory: one run per subdirectory `<rule>_b<batch>[_k<staleness>]_s<seed>/` written by
 `launch.train`.
 
-Batch, rule, staleness (`rl.max_staleness`, 0 when absent) and seed come from each run's `config.json` (the directory name is only a label); both files are read
-through `train.rundir`. Subdirectories without `config.json` or `metrics.jsonl`, or whose log has fewer than 2
-training rows or no evaluation row yet, are skipped and listed with the reason; anything malformed is an error naming
-the file (and line).
+Batch, rule, staleness (`rl.max_staleness`, 0 when absent) and seed come from each run's `config.json` (the
+directory name is only a label); both files are read through `train.rundir`. Subdirectories without `config.json` or
+`metrics.jsonl`, or whose log has fewer than 2 training rows or no evaluation row yet, are skipped and listed with the
+reason; anything malformed is an error naming the file (and line). Evaluation rows (those holding `eval_accuracy`)
+give the curve of one metric: `eval_accuracy` by default, or another evaluation field such as `eval_pass_at_k`
+(`load_study(metric=...)`); a row without it is an error.
 """
 import dataclasses
 import json
@@ -16,6 +18,7 @@ from jaxrl_batch.analysis import clock
 from jaxrl_batch.train import rundir
 
 PHASES = ("rollout_s", "reward_s", "update_s")  # Per-step phase seconds of a training row.
+SAMPLED_METRICS = ("eval_pass1", "eval_pass_at_k", "eval_maj_at_k")  # Evaluation fields of `config.eval` samples.
 
 
 def phase_seconds(row: dict) -> list[float]:
@@ -38,7 +41,8 @@ class Run:
     seed: `config.seed`.
     sample_budget: samples the run was configured to train on.
     eval_samples: (E,) cumulative samples at each evaluation, increasing.
-    eval_accuracy: (E,) held-out accuracy (0..1) at those samples.
+    eval_accuracy: (E,) the analysed evaluation metric at those samples (0..1; `metric` of `load_study`, by default
+      `eval_accuracy`, the greedy held-out accuracy).
     train_samples: (N,) cumulative samples after each training step, increasing; N >= 2.
     phase_s: (N, 3) seconds of each step in rollout / reward / update.
     cold: (N,) bool, rows that include compilation (first of a run or of a resumed session).
@@ -76,19 +80,30 @@ def _read_config(run_dir: str) -> tuple[str, int, int, int, int]:
                      "it.") from e
 
 
-def _read_rows(path: str) -> tuple[list[dict], list[dict]]:
-  """(training rows, evaluation rows) of a metrics.jsonl."""
+def _missing_metric(path: str, line_no: int, row: dict, metric: str) -> ValueError:
+  """The error for an evaluation row without the analysed `metric`: what the row has, and how to log it."""
+  fields = ", ".join(sorted(key for key in row if key.startswith("eval_")))
+  hint = (" eval_pass1, eval_pass_at_k and eval_maj_at_k are logged only with eval.num_samples > 0 (eval_maj_at_k "
+          "only for tasks with extract_answer)." if metric in SAMPLED_METRICS else "")
+  return ValueError(f"{path}:{line_no}: runs have no {metric}: this evaluation row holds {fields}.{hint} Choose a "
+                    "metric every run logs.")
+
+
+def _read_rows(path: str, metric: str) -> tuple[list[dict], list[dict]]:
+  """(training rows, evaluation rows as {samples, accuracy: the row's `metric`}) of a metrics.jsonl."""
   train, evals = [], []
   for line_no, row in rundir.iter_metrics(path):
+    if "eval_accuracy" in row and metric not in row:
+      raise _missing_metric(path, line_no, row, metric)
     try:
       if "eval_accuracy" in row:
-        evals.append(dict(samples=float(row["samples"]), accuracy=float(row["eval_accuracy"])))
+        evals.append(dict(samples=float(row["samples"]), accuracy=float(row[metric])))
       else:
         train.append(dict(samples=float(row["samples"]), phases=phase_seconds(row),
                           cold=bool(row.get("cold", False))))
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"{path}:{line_no} is not a metrics row (training rows need samples, "
-                       f"{', '.join(PHASES)}; evaluation rows samples, eval_accuracy): {e!r}. "
+                       f"{', '.join(PHASES)}; evaluation rows samples, {metric}): {e!r}. "
                        "Fix or delete that line.") from e
   return train, evals
 
@@ -99,14 +114,14 @@ def _increasing(values: np.ndarray, path: str, what: str) -> None:
                      "Rerun the member in a fresh directory.")
 
 
-def read_run(run_dir: str, name: str) -> Run | str:
-  """The run in `run_dir`, or the reason it is skipped."""
+def read_run(run_dir: str, name: str, metric: str = "eval_accuracy") -> Run | str:
+  """The run in `run_dir`, its curve of the evaluation field `metric`, or the reason it is skipped."""
   metrics_path = rundir.metrics_path(run_dir)
   missing = [os.path.basename(p) for p in (rundir.config_path(run_dir), metrics_path) if not os.path.isfile(p)]
   if missing:
     return f"no {' or '.join(missing)}"
   rule, batch, seed, budget, staleness = _read_config(run_dir)
-  train, evals = _read_rows(metrics_path)
+  train, evals = _read_rows(metrics_path, metric)
   if len(train) < 2:
     return f"{len(train)} training rows (needs 2: the first is excluded as compile time)"
   if not evals:
@@ -125,8 +140,9 @@ def read_run(run_dir: str, name: str) -> Run | str:
   return run
 
 
-def load_study(study_dir: str) -> tuple[list[Run], list[dict]]:
-  """(runs sorted by rule, batch, seed; skipped subdirectories as {dir, reason})."""
+def load_study(study_dir: str, metric: str = "eval_accuracy") -> tuple[list[Run], list[dict]]:
+  """(runs sorted by rule, batch, seed, with curves of the evaluation field `metric`; skipped subdirectories as
+  {dir, reason})."""
   if not os.path.isdir(study_dir):
     raise ValueError(f"Study directory {study_dir!r} does not exist; pass the directory holding the run "
                      "subdirectories (<rule>_b<batch>_s<seed>/).")
@@ -135,7 +151,7 @@ def load_study(study_dir: str) -> tuple[list[Run], list[dict]]:
     run_dir = os.path.join(study_dir, name)
     if not os.path.isdir(run_dir):
       continue
-    run = read_run(run_dir, name)
+    run = read_run(run_dir, name, metric)
     if isinstance(run, str):
       skipped.append(dict(dir=name, reason=run))
       continue

@@ -8,8 +8,9 @@ from jaxrl_batch.analysis.curves import check_smooth, mean_abs_gap
 from jaxrl_batch.analysis.runs import load_study
 
 DEFINITIONS = {
-    "eval_curve": "held-out accuracy vs samples from evaluation rows; smooth=k (odd) is a centred moving average "
-                  "over k points, the window shrinking symmetrically at the ends",
+    "eval_curve": "the evaluation metric (`metric`; default eval_accuracy, the greedy held-out accuracy) vs samples "
+                  "from evaluation rows; smooth=k (odd) is a centred moving average over k points, the window "
+                  "shrinking symmetrically at the ends",
     "samples_to_target": "S: first crossing of the target, linearly interpolated between the evaluation points "
                          "around it (the first point's samples if it is already >= target); never reached: "
                          "censored (None), counted in n_censored",
@@ -36,7 +37,10 @@ DEFINITIONS = {
 }
 
 
-def _check(target: float, smooth: int, invariance_tol: float) -> None:
+def _check(target: float, smooth: int, invariance_tol: float, metric: str) -> None:
+  if not (isinstance(metric, str) and metric.startswith("eval_")):
+    raise ValueError(f"metric={metric!r} must be a field of the evaluation rows: eval_accuracy, eval_pass1, "
+                     "eval_pass_at_k, eval_maj_at_k.")
   if not (math.isfinite(target) and 0 < target <= 1):
     raise ValueError(f"target must be a held-out accuracy in (0, 1], got {target}.")
   if invariance_tol < 0:
@@ -45,20 +49,22 @@ def _check(target: float, smooth: int, invariance_tol: float) -> None:
 
 
 def analyze(study_dir: str, target: float, reference: str | None = None, smooth: int = 1,
-            invariance_tol: float = 0.05) -> dict:
-  """Analyses every run under `study_dir` at accuracy `target`; writes and returns analysis.json's content.
+            invariance_tol: float = 0.05, metric: str = "eval_accuracy") -> dict:
+  """Analyses every run under `study_dir` at `target` of `metric`; writes and returns analysis.json's content.
 
   Args:
     study_dir: directory of run subdirectories `<rule>_b<batch>[_k<staleness>]_s<seed>/` (config.json,
       metrics.jsonl).
-    target: held-out accuracy (0..1) to reach.
+    target: value (0..1) of `metric` to reach.
     reference: member '<rule>_b<batch>[_k<staleness>]' the others are compared with; None: the smallest synchronous
       `sqrt` batch, else the smallest synchronous batch.
     smooth: odd number of evaluation points in the centred moving average (1 = none).
     invariance_tol: largest invariance gap (accuracy units) of a batch inside its rule's family range.
+    metric: the evaluation field whose curve is analysed: eval_accuracy (greedy), or with eval.num_samples > 0
+      eval_pass1, eval_pass_at_k, eval_maj_at_k (`train.evaluation`); every evaluation row must hold it.
   """
-  _check(target, smooth, invariance_tol)
-  runs, skipped = load_study(study_dir)
+  _check(target, smooth, invariance_tol, metric)
+  runs, skipped = load_study(study_dir, metric)
   study = members.group([members.seed_result(r, target, smooth) for r in runs])
   summaries = [m.summary() for m in study]
   ref = decision.choose_reference(summaries, reference)
@@ -76,10 +82,10 @@ def analyze(study_dir: str, target: float, reference: str | None = None, smooth:
     gaps = {s["batch"]: s["invariance_gap"] for s in summaries if s["rule"] == rule and not s["staleness"]}
     families[rule] = dict(reference_batch=ref["batch"],
                           range=decision.family_range(gaps, ref["batch"], invariance_tol))
-  analysis = dict(target=target, reference=ref["member"], smooth=smooth, invariance_tol=invariance_tol,
+  analysis = dict(target=target, metric=metric, reference=ref["member"], smooth=smooth, invariance_tol=invariance_tol,
                   definitions=DEFINITIONS, members=summaries, families=families,
                   staleness=decision.staleness(summaries), skipped=skipped)
-  analysis["files"] = ["analysis.json", "report.md"] + plots.write(study, summaries, target, study_dir)
+  analysis["files"] = ["analysis.json", "report.md"] + plots.write(study, summaries, target, study_dir, metric)
   with open(os.path.join(study_dir, "analysis.json"), "w") as f:
     json.dump(analysis, f, indent=2)
   with open(os.path.join(study_dir, "report.md"), "w") as f:

@@ -9,7 +9,10 @@ import ml_collections
 
 
 def convert(key: str, text: str, default):
-  """`text` as a value of `default`'s type; ValueError naming `key` if it does not parse."""
+  """`text` as a value of `default`'s type (a tuple: comma-separated strings); ValueError naming `key` if it does
+  not parse."""
+  if isinstance(default, tuple):
+    return tuple(part.strip() for part in text.split(",") if part.strip())
   if isinstance(default, bool):
     if text.lower() in ("1", "true", "yes"):
       return True

@@ -160,6 +160,10 @@ class ArithmeticTask:
     """1.0 iff `completion` is exactly the canonical decimal answer (optional '-', no leading zeros), else 0.0."""
     return 1.0 if completion == str(problem.answer) else 0.0
 
+  def extract_answer(self, completion: str) -> str:
+    """The whole completion: the reward compares it whole (`"432"`, `" 432"` and `"432.0"` are different answers)."""
+    return completion
+
   def sft_example(self, problem: Problem, rng: np.random.Generator) -> tuple[str, str]:
     """(prompt, completion) for supervised warm-up, without EOS.
 

@@ -21,7 +21,13 @@ class Problem:
 
 
 class Task(Protocol):
-  """A verifiable task; see `jaxrl_batch.tasks.arithmetic.ArithmeticTask` for the reference implementation."""
+  """A verifiable task; see `jaxrl_batch.tasks.arithmetic.ArithmeticTask` for the reference implementation.
+
+  Optional: `extract_answer(completion) -> str | None`, the completion's final answer in a canonical spelling, for
+  majority voting over samples (`eval_maj_at_k`, `train.evaluation`). Completions with equal answers must earn equal
+  rewards: the winning answer is graded by the reward of a sample that gave it. None means no answer (no vote); it
+  never raises. A task without it (countdown, where many different answers are correct) logs no maj@k.
+  """
 
   def train_problems(self, seed: int, step: int, num: int) -> list[Problem]:
     """`num` training problems, deterministic per (seed, step), never held-out ones."""

@@ -12,6 +12,9 @@ Reward: 1.0 iff that expression parses with the safe `expr_parser` (integers, + 
 exact rationals, so 7/2*2 == 7 and division by zero is invalid), uses each given number at most as often as it is
 given (all of them exactly so, with `use_all_numbers`), and equals the target exactly.
 
+No `extract_answer` (`tasks.base.Task`): many different expressions reach the target, so a majority vote over
+answers is undefined and evaluation logs no eval_maj_at_k (pass@k still applies).
+
 SFT completions are the bare expression (the default prompt ends in 'Answer:'), found by exhaustive search
 (`solve`) over rows of at most MAX_SOLVE_NUMBERS numbers; a row without a solution makes `sft_example` raise, so
 remove unsolvable rows before SFT. RL alone needs no solutions.

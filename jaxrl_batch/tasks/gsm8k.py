@@ -75,11 +75,20 @@ class Gsm8kTask(JsonlTask):
 
   def reward(self, completion: str, problem: Problem) -> float:
     """1.0 iff the extracted number equals the reference answer, else 0.0; never raises."""
-    if self.extraction == "strict":
-      found = answers.number_after_hashes(completion)
-    else:
-      found = answers.last_number(completion)
+    found = self._final_number(completion)
     return 1.0 if found is not None and answers.same_number(found, problem.answer) else 0.0
+
+  def _final_number(self, completion: str) -> str | None:
+    """The completion's answer as written, per `extraction`; None if it has none."""
+    if self.extraction == "strict":
+      return answers.number_after_hashes(completion)
+    return answers.last_number(completion)
+
+  def extract_answer(self, completion: str) -> str | None:
+    """The answer's exact value ('1,000', '$1000.0' -> '1000'; '0.5' -> '1/2'), the key of majority voting; None if
+    the completion has no number where `extraction` looks."""
+    number = answers.parse_number(self._final_number(completion))
+    return None if number is None else str(number.value)
 
   def sft_example(self, problem: SolvedProblem, rng: np.random.Generator) -> tuple[str, str]:
     """(prompt, reference solution ending in '#### N'); `rng` is unused."""

@@ -64,6 +64,16 @@ class MathTask(JsonlTask):
     found = answers.last_boxed(completion)
     return 1.0 if found is not None and answers.math_equal(found, problem.answer) else 0.0
 
+  def extract_answer(self, completion: str) -> str | None:
+    r"""The last `\boxed{}` normalised (`answers.normalize_math`), a number as its exact value ('\dfrac12', '1/2' and
+    '0.5' -> '1/2'), the key of majority voting; None without a complete box."""
+    found = answers.last_boxed(completion)
+    if found is None:
+      return None
+    normalized = answers.normalize_math(found)
+    number = answers.math_number(normalized)
+    return normalized if number is None else str(number.value)
+
   def sft_example(self, problem: SolvedProblem, rng: np.random.Generator) -> tuple[str, str]:
     r"""(prompt, reference solution ending in `\boxed{answer}`); `rng` is unused."""
     return problem.prompt, problem.solution

@@ -23,11 +23,12 @@ import numpy as np
 
 class Scores(NamedTuple):
   """rewards_B: float32 (0 where the reward raised or timed out); errors, timeouts: counts; first_error: the first
-  error or timeout message, None if there was none."""
+  error or timeout message, None if there was none; completions_B: the scored texts."""
   rewards_B: np.ndarray
   errors: int
   timeouts: int
   first_error: str | None
+  completions_B: list[str]
 
   def failures(self) -> str:
     """What went wrong, for a log line: e.g. "raised on 2 and ran past task.reward_timeout_s on 1 of 32 samples
@@ -62,6 +63,7 @@ class ScoringBatch:
     self._rewards = np.zeros(len(self.problems), np.float32)
     self._done = np.zeros(len(self.problems), bool)
     self._submitted = np.zeros(len(self.problems), bool)
+    self._completions = [""] * len(self.problems)
     self.errors = self.timeouts = 0
     self.first_error: str | None = None
     self.decode_error: BaseException | None = None
@@ -85,7 +87,7 @@ class ScoringBatch:
         scorer._done.wait()
     if self.decode_error is not None:
       raise RuntimeError("Decoding completions for scoring failed") from self.decode_error
-    return Scores(self._rewards.copy(), self.errors, self.timeouts, self.first_error)
+    return Scores(self._rewards.copy(), self.errors, self.timeouts, self.first_error, list(self._completions))
 
   def _record(self, index: int, value: float, error: str | None, timed_out: bool = False) -> None:
     """Called under the scorer's lock."""
@@ -171,6 +173,8 @@ class RewardScorer:
           self._done.notify_all()
         continue
       with self._lock:
+        for i, text in zip(indices, texts):
+          batch._completions[i] = text
         self._jobs.extend(_Job(batch, i, text) for i, text in zip(indices, texts))
         self._ready.notify(len(texts))
 

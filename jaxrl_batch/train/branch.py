@@ -1,9 +1,9 @@
 """Branching a run: a new run directory that starts from another run's checkpoint, with settings changed.
 
 The way on when a run diverged (or to try a change from a point of a run) without rewriting that run's record: the
-new directory receives the source's checkpoint at the chosen step, its metrics rows up to that step, and a
-config.json whose `branched_from` names the source, the step and the changed fields. From then on it is an ordinary
-run: a rerun resumes it. The source directory is only read.
+new directory receives the source's checkpoint at the chosen step, its metrics.jsonl and samples.jsonl rows up to
+that step, and a config.json whose `branched_from` names the source, the step and the changed fields. From then on it
+is an ordinary run: a rerun resumes it. The source directory is only read.
 
 A branch may change anything the saved state still fits (learning rate and schedule, clipping, KL, sampling,
 cadences); a change of what the state holds (model shape, algorithm, critic) is refused before anything is written.
@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
 from jaxrl_batch.runtime.distributed import is_main_process
-from jaxrl_batch.train import rundir
+from jaxrl_batch.train import rundir, samples_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,9 @@ def seed(origin: Origin, workdir: str, abstract_state, carries_rollouts: bool, r
   if is_main_process():
     rundir.write_config(workdir, dict(resolved_config, branched_from=record))
     _write_rows(rundir.metrics_path(workdir), [r for r in rundir.read_metrics(source) if r.get("step", 0) <= step])
+    if os.path.exists(os.path.join(source, samples_log.SAMPLES)):
+      shutil.copyfile(os.path.join(source, samples_log.SAMPLES), os.path.join(workdir, samples_log.SAMPLES))
+      samples_log.SamplesLog(workdir, 0).truncate_after(step)
     staging = rundir.checkpoints_dir(workdir) + ".branching"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(path, os.path.join(staging, str(step)))

@@ -25,6 +25,7 @@ from jaxrl_batch.rl.overlong import overlong_penalty
 from jaxrl_batch.runtime import memory, sharding, streams, transfer
 from jaxrl_batch.sampling import SamplingParams, generate, rollout, static_stats
 from jaxrl_batch.tasks.rewards import ScoringBatch
+from jaxrl_batch.train import samples_log
 from jaxrl_batch.train.setup import Experiment
 
 
@@ -176,8 +177,8 @@ class Collector:
       logging.warning("Step %d: the reward function %s", step, failures)
     device = (prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN, out.experts_BxTxLxK)
     return dict(device=device, task_rewards_B=scores.rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
-                errors=scores.errors, timeouts=scores.timeouts, rollout_s=t1 - t0, reward_s=time.time() - t1,
-                engine=engine_stats)
+                problems_B=problems_B, completions_B=scores.completions_B, errors=scores.errors,
+                timeouts=scores.timeouts, rollout_s=t1 - t0, reward_s=time.time() - t1, engine=engine_stats)
 
   def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]
               ) -> tuple[Rollouts, jax.Array, list[jax.Array], dict]:
@@ -205,6 +206,11 @@ class Collector:
       return np.concatenate([rounds[r][key] for r in range(len(rounds))])[rows_B]
 
     truncated_B, lengths_B, rewards_B = take("truncated_B"), take("lengths_B"), take("task_rewards_B")
+    k = self.exp.config.get("log_samples_count", 0)  # The first k rollouts, as text for samples.jsonl.
+    shown = [(rounds[i // b], i % b) for i in rows_B[:k]]
+    examples = samples_log.examples([out["problems_B"][i] for out, i in shown],
+                                    [out["completions_B"][i] for out, i in shown], rewards_B[:k], lengths_B[:k],
+                                    truncated_B[:k])
     trained_B = np.ones(len(rewards_B), bool)
     if algo.overlong == "penalty":
       rewards_B = rewards_B + overlong_penalty(lengths_B, truncated_B, self.exp.response_len, algo.overlong_buffer,
@@ -239,5 +245,5 @@ class Collector:
                      sum(out["engine"].slot_steps for out in rounds), 1),
                  rollout_chunks=sum(out["engine"].chunks for out in rounds),
                  preempted=sum(out["engine"].preempted for out in rounds),
-                 trained_samples=int(trained_B.sum()))
+                 trained_samples=int(trained_B.sum()), examples=examples)
     return rollouts, device_kl_coef, device_orders, stats

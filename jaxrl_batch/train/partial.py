@@ -29,6 +29,7 @@ from jaxrl_batch.rl.advantages import zero_std_group_frac
 from jaxrl_batch.rl.overlong import overlong_penalty
 from jaxrl_batch.runtime import sharding, streams, transfer
 from jaxrl_batch.sampling import continuous
+from jaxrl_batch.train import samples_log
 from jaxrl_batch.train.collector import Collector, Rollouts, _sampling_key
 
 
@@ -206,6 +207,10 @@ class PartialCollector(Collector):
       rewards_B = rewards_B + overlong_penalty(lengths_B, truncated_B, n, algo.overlong_buffer, algo.overlong_penalty)
     elif algo.overlong == "mask":
       trained_B &= ~truncated_B
+    shown = batch[:exp.config.get("log_samples_count", 0)]  # The first rollouts, as text for samples.jsonl.
+    texts = exp.decode_responses(np.stack([s["tokens"] for s in shown]), mask_BxN[:len(shown)]) if shown else []
+    examples = samples_log.examples([s["problem"] for s in shown], texts, [s["reward"] for s in shown],
+                                    lengths_B[:len(shown)], truncated_B[:len(shown)])
     lag_BxN = np.where(mask_BxN, step - np.stack([s["versions"] for s in batch]), 0)
     spans_B = np.array([len(set(s["versions"][:s["length"]].tolist())) > 1 for s in batch])
     mesh = exp.mesh
@@ -229,5 +234,5 @@ class PartialCollector(Collector):
                  reprefill_s=sum(c.reprefill_s for c in calls), preempted=sum(c.preempted for c in calls),
                  policy_lag_mean=float(lag_BxN.sum() / mask_BxN.sum()), policy_lag_max=int(lag_BxN.max()),
                  partial_frac=float(spans_B.mean()), carried_over=len(self.carried),
-                 trained_samples=int(trained_B.sum()))
+                 trained_samples=int(trained_B.sum()), examples=examples)
     return Rollouts(*device), device_kl_coef, device_orders, stats

@@ -1,11 +1,16 @@
 """The run directory: the one module that knows its files and their formats.
 
   config.json     {"config": the run's ConfigDict as JSON, "derived": the member's derived values (`Member.to_json`),
-                   num_params, base_policy}; written whole, then renamed, when a run starts from step 0.
+                   num_params, base_policy[, "branched_from": source workdir, step, samples, changed fields
+                   (`train.branch`)]}; written whole, then renamed, when a run starts from step 0.
   metrics.jsonl   one JSON object per line, appended as the run goes (training rows and evaluation rows, which hold
                    `eval_accuracy`), trimmed on resume to the restored step; non-finite floats are written as null.
+  samples.jsonl   a few rollouts as text every `log_samples_every_steps` steps (`train.samples_log`), trimmed on
+                   resume like metrics.jsonl.
   checkpoints/    orbax checkpoints (`runtime.checkpointing`); checkpoints_unusable/ holds any set aside on resume.
   lock            the advisory lock of the process running in it (`train.workdir_lock`): pid, host, start time.
+  tb/             TensorBoard event files, rebuilt from metrics.jsonl when a run starts (`train.writers`).
+  wandb/          W&B's local files, unless WANDB_DIR is set (`train.writers`).
 
 In a multi-process run only process 0 writes; every process may read.
 """
@@ -23,10 +28,12 @@ CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 LOCK = "lock"
+TB = "tb"
 
 # Config fields (dotted names) that may change when a run resumes; any other difference from config.json is refused.
-RESUMABLE_FIELDS = ("log_every_steps", "eval_every_samples", "checkpoint_every_samples", "sft",
-                    "task.reward_timeout_s", "task.reward_workers", "task.stream_rewards")
+RESUMABLE_FIELDS = ("log_every_steps", "log_samples_every_steps", "log_samples_count", "log_samples_max_chars",
+                    "eval_every_samples", "checkpoint_every_samples", "sft", "eval",
+                    "task.reward_timeout_s", "task.reward_workers", "task.stream_rewards", "writers", "wandb")
 
 
 def config_path(run_dir: str) -> str:
@@ -43,6 +50,10 @@ def checkpoints_dir(run_dir: str) -> str:
 
 def lock_path(run_dir: str) -> str:
   return os.path.join(run_dir, LOCK)
+
+
+def tb_dir(run_dir: str) -> str:
+  return os.path.join(run_dir, TB)
 
 
 def read_config(run_dir: str) -> dict | None:

@@ -33,7 +33,7 @@ from jaxrl_batch.rl.update import Models
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
-from jaxrl_batch.train import branch, evaluation, rundir, sft
+from jaxrl_batch.train import branch, evaluation, rundir, samples_log, sft, writers
 from jaxrl_batch.train.async_collector import AsyncCollector
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.partial import PartialCollector
@@ -48,6 +48,11 @@ def _json_config(config: ml_collections.ConfigDict) -> dict:
 def _format_eta(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _format_example(example: dict) -> str:
+  """' | sample "<completion>" (reward r)', the completion cut to 60 characters, for the progress line."""
+  return f" | sample {samples_log.shorten(example['completion'], 60)!r} (reward {example['reward']:.2f})"
 
 
 MAX_IDLE_STEPS = 20  # Consecutive steps without a trained rollout before the run stops with an error.
@@ -93,7 +98,9 @@ class Trainer:
     self.critic_optimizer = (make_optimizer(config.critic.optim, m.batch_size, m.sample_budget, m.updates_per_step,
                                             (m.critic_lr, m.critic_adam)) if self.algo.critic else None)
     self.noise_scale = NoiseScale()  # Restarts on resume: an EMA, not part of the training state.
-    self.metrics = rundir.MetricsLog(self.workdir)
+    self.samples_log = samples_log.SamplesLog(self.workdir, config.get("log_samples_max_chars", 0))
+    evaluation.EvalConfig.from_config(config)  # A malformed `eval` group fails here, before the warm start.
+    self.metrics = writers.open_writers(config, self.workdir, m)  # metrics.jsonl and config.writers' sinks.
     self.lock = WorkdirLock(self.workdir)
     partial = config.get("rollout") is not None and config.rollout.partial
     if partial and self.algo.max_staleness:
@@ -265,10 +272,12 @@ class Trainer:
         self.collector.load_state_dict(meta.pop("rollouts"))
       progress.update(meta)
       self.metrics.truncate_after(progress["step"])
+      self.samples_log.truncate_after(progress["step"])
       logging.info("Resuming from step %d (%d samples, %.0fs) in %s.", progress["step"], progress["samples"],
                    progress["wall_s"], self.workdir)
     else:
       self.metrics.truncate_after(-1)  # Rows of an attempt that died before its first checkpoint.
+      self.samples_log.truncate_after(-1)
       rundir.write_config(self.workdir, self._resolved_config(base_dir))
     self.kl = KLController(progress["kl_coef"], algo.kl_target, algo.kl_horizon)
     return state, progress
@@ -278,7 +287,8 @@ class Trainer:
     after saving a checkpoint when SIGTERM or SIGINT arrives (`runtime.preemption`), WorkdirBusy when another
     process holds the workdir."""
     try:
-      with StopSignals() as signals:  # Also while a pending save completes: a first signal cannot abandon it.
+      # Also while a pending save completes: a first signal cannot abandon it. The writers close on any exit.
+      with StopSignals() as signals, self.metrics:
         state, progress = self.start()
         try:
           return self.loop(state, progress, signals)
@@ -318,6 +328,9 @@ class Trainer:
                            "response budget, or use rl.overlong='penalty'.")
       step, previous, samples = step + 1, samples, samples + trained
       generated += row.pop("samples_generated")
+      examples = row.pop("examples", [])
+      if c.get("log_samples_every_steps", 0) > 0 and step % c.log_samples_every_steps == 0:
+        self.samples_log.write(step, samples, examples)
       row = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), cold=step == first_step + 1,
                  **row)
       self._pending = (row, device_metrics)
@@ -334,10 +347,10 @@ class Trainer:
       if step % c.log_every_steps == 0 or done:
         rate = (time.time() - start) / (step - first_step)
         steps_left = math.ceil(max(m.sample_budget - samples, 0) / m.batch_size)
-        logging.info("step %d | samples %d/%d (%.0f%%) | reward %.3f | eval %s | len %.1f | %.2fs/step | ETA %s",
+        logging.info("step %d | samples %d/%d (%.0f%%) | reward %.3f | eval %s | len %.1f | %.2fs/step | ETA %s%s",
                      step, samples, m.sample_budget, 100 * samples / m.sample_budget, row["reward_mean"],
                      "-" if eval_acc is None else f"{eval_acc:.3f}", row["response_len_mean"], rate,
-                     _format_eta(rate * steps_left))
+                     _format_eta(rate * steps_left), _format_example(examples[0]) if examples else "")
       if save:
         with transfer.scope("checkpoint"):
           meta = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), kl_coef=self.kl.coef)
