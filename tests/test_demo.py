@@ -1,5 +1,6 @@
-"""The Colab demo runs top to bottom in its reduced mode (code cells executed in order, shell lines skipped)."""
+"""The Colab demos run top to bottom in its reduced mode (code cells executed in order, shell lines skipped)."""
 import json
+import logging
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,3 +21,30 @@ def test_demo_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
   assert namespace["REDUCED"]
   assert {m["member"] for m in namespace["analysis"]["members"]} == {"sqrt_b16", "sqrt_b32", "none_b16", "none_b32"}
   assert os.path.exists(tmp_path / "study" / "report.md")
+
+
+def test_quickstart_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setenv("JAXRL_BATCH_DEMO_DIR", str(tmp_path))
+  monkeypatch.setenv("JAXRL_BATCH_DEMO_BASE", base_cache)
+  monkeypatch.delenv("JAXRL_BATCH_DEMO_FULL", raising=False)
+  with open(os.path.join(ROOT, "demos", "quickstart.ipynb")) as f:
+    notebook = json.load(f)
+  absl_level = logging.getLogger("absl").level  # The notebook quiets absl's INFO lines; the suite gets them back.
+  namespace = {}
+  try:
+    for cell in notebook["cells"]:
+      if cell["cell_type"] == "code":
+        source = "".join(line for line in cell["source"] if not line.lstrip().startswith(("!", "%")))
+        exec(compile(source, "quickstart.ipynb", "exec"), namespace)
+  finally:
+    logging.getLogger("absl").setLevel(absl_level)
+  assert namespace["REDUCED"]
+  config, train_rows = namespace["config"], namespace["train_rows"]
+  assert train_rows[-1]["samples"] == namespace["eval_rows"][-1]["samples"] == config.sample_budget
+  before, after = namespace["before"], namespace["after"]  # samples.jsonl's rows of the first and the last step
+  assert [r["step"] for r in before] == [1] * config.log_samples_count
+  assert [r["step"] for r in after] == [train_rows[-1]["step"]] * config.log_samples_count
+  assert all(r["reward"] == float(r["completion"] == str(r["answer"])) for r in before + after)  # strict answers
+  assert {m["member"] for m in namespace["analysis"]["members"]} == {"sqrt_b16", "sqrt_b32"}
+  assert os.path.exists(tmp_path / "reduced" / "study" / "report.md")
