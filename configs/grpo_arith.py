@@ -163,8 +163,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if arg.debug:
     # Learns in seconds, so that tests of training and resume see every piece of run state matter: one-digit
-    # operands, mostly loose sums in the warm start (the base policy is right on ~0.1 of the held-out problems), and
-    # RL that makes them strict (~0.3 within 192 samples), with rewards and gradients from the first step.
+    # operands, mostly loose sums in the warm start (greedy, the base policy solves none of the 16 held-out problems;
+    # sampled, ~0.4 of its rollouts earn reward), and RL that makes them strict (~0.3 held-out within 192 samples),
+    # with rewards and gradients from the first step.
     c.task.update(max_digits=1, num_eval=16, sft_strict_frac_add=0.3)
     c.model.update(d_model=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, d_ff=128)
     c.batch_size = arg.batch or 32

@@ -19,6 +19,7 @@ TASKS = {  # name -> "module:class"
     "gsm8k": "jaxrl_batch.tasks.gsm8k:Gsm8kTask",
     "math": "jaxrl_batch.tasks.math_boxed:MathTask",
     "countdown": "jaxrl_batch.tasks.countdown:CountdownTask",
+    "long_addition": "jaxrl_batch.tasks.long_addition:LongAdditionTask",
 }
 
 

@@ -27,6 +27,9 @@ class Task(Protocol):
   majority voting over samples (`eval_maj_at_k`, `train.evaluation`). Completions with equal answers must earn equal
   rewards: the winning answer is graded by the reward of a sample that gave it. None means no answer (no vote); it
   never raises. A task without it (countdown, where many different answers are correct) logs no maj@k.
+
+  Optional: `sft_problems(seed, step, num)`, the warm start's problems when they should differ from
+  `train_problems` (`long_addition` warm-starts on short problems only).
   """
 
   def train_problems(self, seed: int, step: int, num: int) -> list[Problem]:

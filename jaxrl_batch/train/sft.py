@@ -104,8 +104,9 @@ def train(exp: Experiment):
   with jax.set_mesh(exp.mesh):
     opt_state = tx.init(params)
   start = time.time()
+  draw = getattr(exp.task, "sft_problems", exp.task.train_problems)  # A task may warm-start on its own mix.
   for step in range(c.steps):
-    problems = exp.task.train_problems(streams.sft_prompt_seed(exp.config.seed), step, c.batch_size)
+    problems = draw(streams.sft_prompt_seed(exp.config.seed), step, c.batch_size)
     batch = exp.shard_batch(sft_arrays(exp, problems, streams.sft_format_rng(exp.config.seed, step)))
     with jax.set_mesh(exp.mesh):
       params, opt_state, loss = sft_step(params, opt_state, *batch, graphdef=graphdef, tx=tx, packing=exp.packing)
