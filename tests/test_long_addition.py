@@ -12,6 +12,9 @@ def test_trace_works_every_column_with_its_carry():
   assert long_addition.trace(4721, 3858) == "1+8+0=9.2+5+0=7.7+8+0=15.4+3+1=8.=8579"
   assert long_addition.trace(99, 1) == "9+1+0=10.9+0+1=10.=100"
   assert long_addition.trace(5, 0) == "5+0+0=5.=5"
+  # A forgotten carry: the trace goes on consistently from the mistake, to a wrong result.
+  assert long_addition.trace(4721, 3858, [False, False, False, True]) == "1+8+0=9.2+5+0=7.7+8+0=15.4+3+0=7.=7579"
+  assert long_addition.trace(99, 1, [False, True]) == "9+1+0=10.9+0+0=9.=90"
 
 
 def test_reward_needs_a_trace_then_the_exact_answer():
@@ -45,6 +48,9 @@ def test_warm_start_problems_stop_at_sft_max_digits_and_their_completions_earn_r
   assert max(len(p.prompt.split("+")[0]) for p in problems) == 4
   rng = np.random.default_rng(0)
   assert all(task.reward(task.sft_example(p, rng)[1], p) == 1.0 for p in problems)
+  sloppy = long_addition.LongAdditionTask(dict(sft_max_digits=4, sft_carry_drop=1.0))
+  carries = [p for p in problems if long_addition.trace(*map(int, p.prompt[:-1].split("+"))).count("+1=")]
+  assert carries and all(sloppy.reward(sloppy.sft_example(p, rng)[1], p) == 0.0 for p in carries)
 
 
 def test_budgets_fit_the_longest_problem():
@@ -60,6 +66,7 @@ def test_budgets_fit_the_longest_problem():
     (dict(max_digits=16), "<= 15"),
     (dict(digits_decay=0), "digits_decay"),
     (dict(sft_max_digits=13), "sft_max_digits"),
+    (dict(sft_carry_drop=1.5), "sft_carry_drop"),
     (dict(bogus=1), "Unknown long_addition task config fields"),
 ])
 def test_config_errors(fields, message):

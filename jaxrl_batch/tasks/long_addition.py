@@ -9,13 +9,16 @@ The reward is 1.0 iff the completion ends with `.=` and the exact answer (a work
 itself is not graded, as with a reasoning model's chain of thought. Operands have n digits each, n in
 [min_digits, max_digits] with P(n) proportional to digits_decay**n: most problems are short, a few are long, so
 response lengths have the long tail of LLM reasoning (~9 tokens per column). A policy that adds the columns with a
-per-column error rate e solves an n-digit problem with probability ~(1 - e)**n: RL improves the column skill
-itself, and gradually, because the long problems need it most.
+per-column error rate e solves an n-digit problem with probability ~(1 - e)**n, so the long problems need the
+column skill most. `sft_carry_drop` gives the warm start a habit to unlearn: its traces forget each carry with that
+probability (and go on consistently from the mistake), which only the outcome reward reveals.
 
 Held-out problems: a fixed ~10% of all operand pairs, chosen by a salt-free hash (`is_heldout`). Tokens: the bundled
 character-level `arith.model` (digits, '+', '-', '=', '.'), one token per character.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import ml_collections
 import numpy as np
@@ -37,20 +40,27 @@ def default_config() -> ml_collections.ConfigDict:
   cfg.num_eval = 768  # Held-out problems (a 90% CI of +/- 0.03 on an accuracy near 0.5).
   cfg.eval_seed = 0  # Seeds the choice of evaluation problems among the held-out ones.
   cfg.sft_max_digits = 0  # Longest operands in the warm-start data (0 = max_digits).
+  cfg.sft_carry_drop = 0.0  # Probability that a warm-start trace forgets a carry (a habit RL must unlearn).
   return cfg
 
 
-def trace(a: int, b: int) -> str:
-  """The worked completion of `a+b`: one `x+y+c=s.` per column from the least significant, then `=a+b`."""
-  columns, carry = [], 0
+def trace(a: int, b: int, dropped: Sequence[bool] = ()) -> str:
+  """The worked completion of `a+b`: one `x+y+c=s.` per column from the least significant, then the result.
+
+  `dropped[i]` True forgets column i's carry in (writes c = 0 where it is 1): the trace goes on consistently from
+  the mistake, and its result is wrong, as a student's would be.
+  """
+  columns, carry, result = [], 0, 0
   digits_a, digits_b = str(a)[::-1], str(b)[::-1]
   for i in range(max(len(digits_a), len(digits_b))):
     x = int(digits_a[i]) if i < len(digits_a) else 0
     y = int(digits_b[i]) if i < len(digits_b) else 0
+    carry = 0 if i < len(dropped) and dropped[i] else carry
     s = x + y + carry
     columns.append(f"{x}+{y}+{carry}={s}.")
+    result += (s % 10) * 10**i
     carry = s // 10
-  return "".join(columns) + f"={a + b}"
+  return "".join(columns) + f"={result + carry * 10**len(columns)}"
 
 
 def _mix(x_N: np.ndarray) -> np.ndarray:
@@ -81,6 +91,9 @@ class LongAdditionTask:
     self.min_digits, self.max_digits, self.decay = f["min_digits"], f["max_digits"], f["digits_decay"]
     self.num_eval, self.eval_seed = f["num_eval"], f["eval_seed"]
     self.sft_max_digits = f["sft_max_digits"] or self.max_digits
+    self.carry_drop = f["sft_carry_drop"]
+    if not (isinstance(self.carry_drop, float | int) and 0 <= self.carry_drop <= 1):
+      raise ValueError(f"task.sft_carry_drop={self.carry_drop!r}: set a probability in [0, 1].")
     if not (isinstance(self.min_digits, int) and isinstance(self.max_digits, int)
             and 1 <= self.min_digits <= self.max_digits <= MAX_DIGITS_LIMIT):
       raise ValueError(f"task.min_digits={self.min_digits!r}, task.max_digits={self.max_digits!r}: set integers "
@@ -153,10 +166,10 @@ class LongAdditionTask:
     return self._problems(np.random.default_rng([seed, step]), num, heldout=False, max_digits=self.sft_max_digits)
 
   def sft_example(self, problem: Problem, rng: np.random.Generator) -> tuple[str, str]:
-    """(prompt, worked completion) for the warm start, without EOS."""
-    del rng
+    """(prompt, worked completion) for the warm start, without EOS; each carry is forgotten with probability
+    `sft_carry_drop`."""
     a, b = problem.prompt[:-1].split("+")
-    return problem.prompt, trace(int(a), int(b))
+    return problem.prompt, trace(int(a), int(b), rng.random(len(a)) < self.carry_drop)
 
   def tokenizer_path(self) -> str:
     """The bundled character-level `assets/arith.model`."""
