@@ -286,7 +286,8 @@ def test_make_task():
   cfg.sft_strict_frac_sub = 1.2
   with pytest.raises(ValueError, match="task.sft_strict_frac_sub=1.2"):
     make_task("arithmetic", cfg)
-  with pytest.raises(ValueError, match="known tasks: \\['arithmetic', 'countdown', 'gsm8k', 'math'\\]"):
+  known = "known tasks: \\['arithmetic', 'countdown', 'gsm8k', 'long_addition', 'math'\\]"
+  with pytest.raises(ValueError, match=known):
     make_task("arith", cfg)
   with pytest.raises(ValueError, match="name='other'"):
     make_task("arithmetic", ml_collections.ConfigDict(dict(name="other")))
