@@ -64,7 +64,8 @@ def test_budgets_fit_the_longest_problem():
 @pytest.mark.parametrize("fields, message", [
     (dict(min_digits=3, max_digits=2), "min_digits <= max_digits"),
     (dict(max_digits=16), "<= 15"),
-    (dict(digits_decay=0), "digits_decay"),
+    (dict(digits_decay=0.0), "digits_decay=0.0: set a positive number"),
+    (dict(digits_decay=1), "digits_decay=1 has type int"),
     (dict(sft_max_digits=13), "sft_max_digits"),
     (dict(sft_carry_drop=1.5), "sft_carry_drop"),
     (dict(bogus=1), "Unknown long_addition task config fields"),

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxrl_batch.tasks import arithmetic
 from jaxrl_batch.tasks.base import Problem
+from jaxrl_batch.tasks.jsonl_task import config_fields
 from jaxrl_batch.text import tokenizer as tokenizer_lib
 
 MAX_DIGITS_LIMIT = 15  # Operands and their sums fit int64.
@@ -83,27 +84,22 @@ class LongAdditionTask:
 
   def __init__(self, cfg):
     """`cfg`: a ConfigDict or dict with fields of `default_config()`; missing fields take the defaults."""
-    defaults = default_config()
-    unknown = sorted(set(cfg.keys()) - set(defaults.keys()))
-    if unknown:
-      raise ValueError(f"Unknown long_addition task config fields {unknown}; known fields: {sorted(defaults.keys())}.")
-    f = {**defaults.to_dict(), **{key: cfg[key] for key in cfg.keys()}}
+    f = config_fields(cfg, default_config(), "long_addition")
     self.min_digits, self.max_digits, self.decay = f["min_digits"], f["max_digits"], f["digits_decay"]
     self.num_eval, self.eval_seed = f["num_eval"], f["eval_seed"]
     self.sft_max_digits = f["sft_max_digits"] or self.max_digits
     self.carry_drop = f["sft_carry_drop"]
-    if not (isinstance(self.carry_drop, float | int) and 0 <= self.carry_drop <= 1):
+    if not 0 <= self.carry_drop <= 1:
       raise ValueError(f"task.sft_carry_drop={self.carry_drop!r}: set a probability in [0, 1].")
-    if not (isinstance(self.min_digits, int) and isinstance(self.max_digits, int)
-            and 1 <= self.min_digits <= self.max_digits <= MAX_DIGITS_LIMIT):
-      raise ValueError(f"task.min_digits={self.min_digits!r}, task.max_digits={self.max_digits!r}: set integers "
-                       f"with 1 <= min_digits <= max_digits <= {MAX_DIGITS_LIMIT}.")
-    if not (isinstance(self.decay, float | int) and self.decay > 0):
+    if not 1 <= self.min_digits <= self.max_digits <= MAX_DIGITS_LIMIT:
+      raise ValueError(f"task.min_digits={self.min_digits!r}, task.max_digits={self.max_digits!r}: set "
+                       f"1 <= min_digits <= max_digits <= {MAX_DIGITS_LIMIT}.")
+    if self.decay <= 0:
       raise ValueError(f"task.digits_decay={self.decay!r}: set a positive number (< 1 favours short problems).")
-    if not (isinstance(self.sft_max_digits, int) and self.min_digits <= self.sft_max_digits <= self.max_digits):
+    if not self.min_digits <= self.sft_max_digits <= self.max_digits:
       raise ValueError(f"task.sft_max_digits={self.sft_max_digits!r}: set 0 or an integer in "
                        f"[min_digits, max_digits] = [{self.min_digits}, {self.max_digits}].")
-    if not (isinstance(self.num_eval, int) and self.num_eval >= 1):
+    if self.num_eval < 1:
       raise ValueError(f"task.num_eval={self.num_eval!r}; set a positive integer.")
     self._eval = self._sample_eval()
 

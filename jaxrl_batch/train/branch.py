@@ -9,7 +9,6 @@ A branch may change anything the saved state still fits (learning rate and sched
 cadences); a change of what the state holds (model shape, algorithm, critic) is refused before anything is written.
 """
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -90,10 +89,11 @@ def seed(origin: Origin, workdir: str, abstract_state, carries_rollouts: bool, r
   record = dict(workdir=source, step=step, samples=meta["samples"], changed=changed)
   if is_main_process():
     rundir.write_config(workdir, dict(resolved_config, branched_from=record))
-    _write_rows(rundir.metrics_path(workdir), [r for r in rundir.read_metrics(source) if r.get("step", 0) <= step])
-    if os.path.exists(os.path.join(source, samples_log.SAMPLES)):
-      shutil.copyfile(os.path.join(source, samples_log.SAMPLES), os.path.join(workdir, samples_log.SAMPLES))
-      samples_log.SamplesLog(workdir, 0).truncate_after(step)
+    logs = ((rundir.METRICS, rundir.MetricsLog(workdir)), (samples_log.SAMPLES, samples_log.SamplesLog(workdir, 0)))
+    for name, log in logs:  # The source's rows up to the step.
+      if os.path.exists(os.path.join(source, name)):
+        shutil.copyfile(os.path.join(source, name), os.path.join(workdir, name))
+        log.truncate_after(step)
     staging = rundir.checkpoints_dir(workdir) + ".branching"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(path, os.path.join(staging, str(step)))
@@ -105,9 +105,3 @@ def seed(origin: Origin, workdir: str, abstract_state, carries_rollouts: bool, r
                "; ".join(changed) or "nothing")
   return step
 
-
-def _write_rows(path: str, rows: list[dict]) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
-  os.replace(tmp, path)
