@@ -232,6 +232,9 @@ def rl_config() -> ml_collections.ConfigDict:
       overlong_buffer=0,  # Penalty ramps from 0 at (response budget - buffer) tokens to -penalty at the budget.
       overlong_penalty=1.0,  # Reward offset of a truncated response (the end of the ramp).
       entropy_coef=0.0,  # Entropy bonus weight (0 = off; entropy is logged either way).
+      # Log the gradient noise scale's inter-prompt (noise_inter) and intra-prompt (noise_intra) parts: the backward
+      # pass runs for the loss and two signed variants of it (~2x the update's cost). False: noise_scale alone.
+      noise_split=False,
   ))
 
 

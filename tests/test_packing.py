@@ -86,7 +86,7 @@ def test_packed_update_equals_the_padded_one_on_one_device_and_eight(cfg, reques
     _, _, got, metrics = one_step(mesh, 2, batch, cfg, packing=PACKED)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=3e-6), want, got)
     for key in want_metrics:
-      if key != "micro_grad_sq":  # over micro-batches of other sizes
+      if not key.startswith("noise_"):  # Estimates from micro-batches of other sizes.
         np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=2e-5, atol=1e-7, err_msg=key)
   assert want_metrics["grad_norm"] > 0
 

@@ -46,6 +46,7 @@ class AlgoConfig:
   overlong_penalty: float = 1.0
   entropy_coef: float = 0.0
   router_aux_loss_coef: float = 0.0
+  noise_split: bool = False
   temperature: float = 1.0
   critic: bool = False
   share_backbone: bool = False
@@ -133,6 +134,9 @@ class AlgoConfig:
     need(self.entropy_coef >= 0, f"rl.entropy_coef={self.entropy_coef} must be >= 0 (a bonus; 0 = off).")
     need(self.router_aux_loss_coef >= 0, f"rl.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (the "
          "MoE load-balancing loss weight; 0 = off).")
+    need(not self.noise_split or group_size >= 2,
+         "rl.noise_split separates the noise between prompts from the noise between samples of one prompt, so it "
+         f"needs group_size >= 2 (got {group_size}); set rl.noise_split=False.")
     need(not (self.share_backbone and self.critic_layers),
          "critic.share_backbone puts the value head on the policy itself; critic.num_layers (a separate, "
          "smaller critic) must then be 0.")

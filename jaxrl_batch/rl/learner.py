@@ -137,10 +137,14 @@ class Learner:
     averaged over the updates)."""
     cfg = self.cfg
     train_actor = step >= cfg.critic_warmup_steps
-    minis = [_take_rows(batch, rows, mesh=self.mesh) for rows in orders] if orders else [batch] * cfg.epochs
+    ids = None
+    if cfg.noise_split:
+      rows_B = jnp.arange(batch.tokens_BxT.shape[0], dtype=jnp.int32)
+      ids = jnp.stack([rows_B // self.group_size, rows_B % self.group_size], axis=1)
+    minis = [(_take_rows(batch, rows, mesh=self.mesh), None if ids is None else ids[rows]) for rows in orders]
     history = []
-    for mini in minis:
-      state, metrics = update(state, mini, kl_coef, models=self.models, cfg=cfg, num_micro=self.num_micro,
+    for mini, mini_ids in minis or [(batch, ids)] * cfg.epochs:
+      state, metrics = update(state, mini, kl_coef, mini_ids, models=self.models, cfg=cfg, num_micro=self.num_micro,
                               train_actor=train_actor, packing=self.packing)
       history.append(metrics)
     return state, _mean_over_updates(history)

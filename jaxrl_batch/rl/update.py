@@ -23,6 +23,7 @@ from flax import nnx
 from jaxrl_batch.model import layout
 from jaxrl_batch.rl import critic as critic_lib
 from jaxrl_batch.rl import losses
+from jaxrl_batch.rl import noise_scale as noise_lib
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.rl import routing as routing_lib
 from jaxrl_batch.rl.algorithm import AlgoConfig
@@ -87,6 +88,13 @@ def _router_metrics(aux: dict) -> dict:
   return aux
 
 
+def _weighted_sum(w, x_BxT):
+  """sum(w * x) over tokens: a scalar for w_BxT, a K-vector for w_BxTxK (the loss and its signed variants)."""
+  if w.ndim == 2:
+    return losses.weighted_sum(x_BxT, w)
+  return jnp.sum(jnp.where(w != 0, x_BxT[..., None] * w, 0.0), axis=(0, 1))
+
+
 def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models: Models, cfg: AlgoConfig,
                 train_actor: bool, num_micro=1):
   policy, critic = trainable
@@ -99,7 +107,9 @@ def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models:
                                                          positions_BxT=micro.positions_BxT)
   mask_BxT = micro.loss_mask_BxT
   w, tw = weights.loss_BxT, weights.token_BxT
-  zero = jnp.zeros((), jnp.float32)
+  wsum = functools.partial(_weighted_sum, w)
+  first = lambda x: x if x.ndim == 0 else x[0]
+  zero = jnp.zeros(w.shape[2:], jnp.float32)
   loss, aux = zero, {}
   if train_actor:
     log_ratio_BxT = losses.log_ratio(logp_BxT, micro.old_logp_BxT, mask_BxT, cfg.ratio_level, micro.segment_ids_BxT)
@@ -113,12 +123,13 @@ def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models:
     entropy_BxT = losses.entropy_from_logits(logits_BxTxV[:, :-1])
     entropy_BxT = jnp.pad(entropy_BxT if cfg.entropy_coef > 0 else jax.lax.stop_gradient(entropy_BxT),
                           ((0, 0), (1, 0)))
-    aux["policy_loss"] = losses.weighted_sum(pg_BxT, w)
-    loss = aux["policy_loss"] - cfg.entropy_coef * losses.weighted_sum(entropy_BxT, w)
+    pg = wsum(pg_BxT)
+    aux["policy_loss"] = first(pg)
+    loss = pg - cfg.entropy_coef * wsum(entropy_BxT)
     if cfg.use_kl:
       kl_BxT = losses.kl_penalty(logp_BxT, micro.ref_logp_BxT, cfg.kl_estimator)
       if cfg.kl_in == "loss":
-        loss = loss + kl_coef * losses.weighted_sum(kl_BxT, w)
+        loss = loss + kl_coef * wsum(kl_BxT)
       aux["kl"] = losses.weighted_sum(jax.lax.stop_gradient(kl_BxT), tw)
     sg_logp_BxT = jax.lax.stop_gradient(logp_BxT)
     aux.update(entropy=losses.weighted_sum(jax.lax.stop_gradient(entropy_BxT), tw),
@@ -127,13 +138,15 @@ def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models:
                logp_gap=losses.weighted_sum(jnp.abs(sg_logp_BxT - micro.sampler_logp_BxT), tw))
     if routings:
       aux.update(_router_terms(routings, micro, num_micro))
-      if cfg.router_aux_loss_coef > 0:
-        loss = loss + cfg.router_aux_loss_coef * aux["router_aux_loss"]
+      if cfg.router_aux_loss_coef > 0:  # In the loss itself only (not in the signed losses of the noise split).
+        only_first = jnp.eye(w.shape[2])[0] if w.ndim == 3 else 1.0
+        loss = loss + cfg.router_aux_loss_coef * aux["router_aux_loss"] * only_first
       aux["router_aux_loss"] = jax.lax.stop_gradient(aux["router_aux_loss"])
   if cfg.critic:
     vl_BxT = losses.value_loss(values_BxT, micro.old_values_BxT, micro.returns_BxT, cfg.vf_clip)
-    aux["value_loss"] = losses.weighted_sum(vl_BxT, w)
-    loss = loss + cfg.vf_coef * aux["value_loss"]
+    vl = wsum(vl_BxT)
+    aux["value_loss"] = first(vl)
+    loss = loss + cfg.vf_coef * vl
   return loss, aux
 
 
@@ -150,23 +163,29 @@ def packed(batch: TrainBatch, weights: Weights, packing: packing_lib.Packing
 
 @functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro", "train_actor", "packing"),
                    donate_argnums=(0,))
-def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: AlgoConfig, num_micro: int,
-           train_actor: bool = True, packing: packing_lib.Packing | None = None):
+def update(state: dict, batch: TrainBatch, kl_coef, noise_ids_Bx2=None, *, models: Models, cfg: AlgoConfig,
+           num_micro: int, train_actor: bool = True, packing: packing_lib.Packing | None = None):
   """One optimizer step of the actor (if `train_actor`) and the critic (if cfg.critic) on the mini-batch `batch`.
 
   state: dict(params, opt_state[, critic, critic_opt_state]). kl_coef: float32 scalar (traced: it may adapt).
   Micro-batches: `num_micro` slices of the rows, or with `packing` the sequences packed into rows of a fixed length
   (`rl.packing`; as many micro-batches as they fill, a device scalar). Micro-batch losses are normalised by counts
-  of the whole mini-batch, so the summed gradient depends on neither. Returns (state, metrics dict of scalars);
-  `micro_grad_sq` is the mean squared norm of the micro-batch mean actor gradients (for the gradient noise scale).
+  of the whole mini-batch, so the summed gradient depends on neither. Returns (state, metrics dict of scalars),
+  with the per-update noise-scale estimates (`rl.noise_scale`): from the micro-batches' gradients, or with
+  `noise_ids_Bx2` (int32 prompt id and index in its group of each row) from two signed actor gradients computed
+  alongside (`rl.noise_split`: the backward pass runs for three cotangents).
   """
   if cfg.loss_agg == "constant" and cfg.loss_agg_constant <= 0:
     raise ValueError("loss_agg='constant' needs cfg.loss_agg_constant > 0; `train.setup` sets its default, the "
                      "response budget in tokens.")
-  weights = Weights(losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg, cfg.loss_agg_constant),
-                    losses.token_weights(batch.loss_mask_BxT, "token_mean"))
+  loss_BxT = losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg, cfg.loss_agg_constant)
+  u_B = loss_BxT.sum(axis=1)
+  split = noise_ids_Bx2 is not None and train_actor
+  if split:
+    signs_Bx3 = jnp.concatenate([jnp.ones_like(u_B)[:, None], noise_lib.signs(*noise_ids_Bx2.T)], axis=1)
+    loss_BxT = loss_BxT[:, :, None] * signs_Bx3[:, None, :]
+  weights = Weights(loss_BxT, losses.token_weights(batch.loss_mask_BxT, "token_mean"))
   trainable = (state["params"], state.get("critic"))
-  grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
   if packing is None:
     micro_batches, count = split_micro_batches((batch, weights), num_micro), num_micro
   else:
@@ -174,24 +193,36 @@ def update(state: dict, batch: TrainBatch, kl_coef, *, models: Models, cfg: Algo
   n = jnp.asarray(count, jnp.float32)
 
   def micro_grads(micro_and_weights):
+    """((loss, aux, grads), noise parts): |g_i|^2 and U_i^2 of the actor's micro-batch gradient, or its signed
+    gradients (2, ...) with the split."""
     micro, micro_weights = micro_and_weights
-    (loss, aux), grads = grad_fn(trainable, micro, micro_weights, kl_coef, models, cfg, train_actor, n)
-    # Each micro gradient is normalised by the whole mini-batch; x n makes it (about) its own mean.
-    return (loss, aux, grads), optax.tree.norm(grads[0], squared=True) * n**2
+    loss_fn = lambda t: _micro_loss(t, micro, micro_weights, kl_coef, models, cfg, train_actor, n)
+    if not split:
+      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+      return (loss, aux, grads), (optax.tree.norm(grads[0], squared=True), jnp.sum(micro_weights.loss_BxT)**2)
+    loss_3, vjp_fn, aux = jax.vjp(loss_fn, trainable, has_aux=True)
+    # One backward pass per cotangent: jit(vmap(vjp_fn)) miscomputed the signed rows on XLA:CPU (jax 0.10.2).
+    (grads,), *signed = [vjp_fn(e) for e in jnp.eye(3, dtype=loss_3.dtype)]
+    return (loss_3[0], aux, grads), jax.tree.map(lambda *g: jnp.stack(g), *(ct[0][0] for ct in signed))
 
   def accumulate(i, total):
     return jax.tree.map(jnp.add, total, micro_grads(jax.tree.map(lambda x: x[i], micro_batches)))
 
   shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro_batches))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  (loss, aux, (policy_grads, critic_grads)), micro_sq_sum = jax.lax.fori_loop(0, count, accumulate, zeros)
+  (loss, aux, (policy_grads, critic_grads)), noise_parts = jax.lax.fori_loop(0, count, accumulate, zeros)
   state = dict(state)
   metrics = dict(_router_metrics(aux), loss=loss, num_tokens=jnp.sum(batch.loss_mask_BxT))
   if train_actor:
     updates, state["opt_state"] = models.actor_tx.update(policy_grads, state["opt_state"], state["params"])
     state["params"] = optax.apply_updates(state["params"], updates)
     grad_sq = optax.tree.norm(policy_grads, squared=True)
-    metrics.update(grad_norm=jnp.sqrt(grad_sq), grad_sq=grad_sq, micro_grad_sq=micro_sq_sum / n)
+    metrics.update(grad_norm=jnp.sqrt(grad_sq))
+    if split:
+      signed_sq = [optax.tree.norm(jax.tree.map(lambda g: g[k], noise_parts), squared=True) for k in (0, 1)]
+      metrics.update(noise_lib.from_signed_gradients(jnp.stack([grad_sq, *signed_sq]), u_B, *noise_ids_Bx2.T))
+    else:
+      metrics.update(noise_lib.from_micro_batches(grad_sq, *noise_parts, jnp.sum(u_B), jnp.sum(u_B**2)))
   if cfg.critic:
     updates, state["critic_opt_state"] = models.critic_tx.update(critic_grads, state["critic_opt_state"],
                                                                  state["critic"])

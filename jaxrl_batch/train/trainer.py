@@ -178,7 +178,7 @@ class Trainer:
     if "clip_frac_low" in out:
       out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"]
     row.update({k: out[k] for k in ("returns_mean", "logp_gap_mean", "vf_explained_var") if k in out})
-    row["noise_scale"] = self._noise_scale(out)
+    row.update(self._noise_scale(out))
     row.update({k: out[k] for k in METRIC_KEYS if k in out})
     row.setdefault("kl", 0.0)
     row.setdefault("logp_gap_mean", out.get("logp_gap"))  # Sampler vs trainer, before this step's updates.
@@ -211,14 +211,15 @@ class Trainer:
             f"config> --workdir=<new dir> --branch_from={self.workdir} --config.optim.base_lr=<lower> (or "
             "--config.optim.grad_clip=<tighter>).")
 
-  def _noise_scale(self, out) -> float | None:
-    """B_simple in rollouts (EMA over steps); None without micro-batching (it needs two batch sizes), with packed
-    micro-batches (their sizes vary) or while the actor is frozen."""
-    m = self.member
-    if m.num_micro < 2 or self.exp.packing is not None or "grad_sq" not in out:
-      return None
-    return self.noise_scale.update(out["micro_grad_sq"], out["grad_sq"], m.mini_batch_size // m.num_micro,
-                                   m.mini_batch_size)
+  def _noise_scale(self, out) -> dict:
+    """noise_scale (B_simple in rollouts, an EMA over steps; `rl.noise_scale`) and, with rl.noise_split, its
+    noise_inter (prompts) and noise_intra (rollouts) parts; None while the actor is frozen or without an estimate
+    (one micro-batch and no split)."""
+    keys = ("noise_scale", "noise_inter", "noise_intra") if self.algo.noise_split else ("noise_scale",)
+    if "noise_signal_sq" not in out:
+      return dict.fromkeys(keys)
+    estimates = {k: v for k, v in out.items() if k.startswith("noise_")}
+    return self.noise_scale.update(estimates, self.member.group_size)
 
   # -- the loop --------------------------------------------------------------------------------------------------
 
