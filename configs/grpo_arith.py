@@ -134,11 +134,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.sample_budget = 49_152  # Total rollouts of the run: every member trains on the same number of samples.
   c.eval_every_samples = 4096  # Greedy held-out evaluation cadence, in samples.
+  # > 0: the run ends (saving a checkpoint) at the first evaluation whose held-out accuracy reaches this; a study's
+  # members then stop once past the target they are analysed at. 0 = every run trains to sample_budget.
+  c.stop_at_accuracy = 0.0
   # Sampled evaluation (train.evaluation), may change on resume: k completions per held-out problem (0 = greedy
   # only), logged as eval_pass1, eval_pass_at_k, eval_maj_at_k beside the greedy eval_accuracy.
   c.eval = ml_collections.ConfigDict(dict(
       num_samples=0,  # k samples per held-out problem; 0 = off.
       temperature=1.0,  # Temperature of those samples (> 0; no top-k / top-p).
+      # Sequences decoded at once per device by the run's sampling.engine (0 = every held-out row at once); with the
+      # continuous engine, fewer slots than rows make the cost follow the tokens.
+      slots=0,
   ))
   c.checkpoint_every_samples = 4096  # Checkpoint cadence, in samples.
   c.log_every_steps = 5  # Progress line cadence, in steps (the line shows one of the step's completions).

@@ -52,8 +52,9 @@ def measure(workdir: str, run: str, learner_devices: list) -> dict:
   c = load_config_module(path).get_config(arg or None)
   spec, *own = run.split("+")
   staleness, _, rollout_devices = spec.partition("@")
-  apply_overrides(c, ["sft.steps=50", "eval_every_samples=0", "checkpoint_every_samples=0", *FLAGS.set, *own,
-                      f"rl.max_staleness={staleness}", f"rollout_mesh.devices={rollout_devices or 0}"])
+  apply_overrides(c, ["sft.steps=50", "eval_every_samples=0", "stop_at_accuracy=0", "checkpoint_every_samples=0",
+                      *FLAGS.set, *own, f"rl.max_staleness={staleness}",
+                      f"rollout_mesh.devices={rollout_devices or 0}"])
   c.sample_budget = FLAGS.steps * c.batch_size
   run_dir = os.path.join(workdir, run.replace("@", "_on_").replace("+", "_").replace("=", "_"))
   trainer = Trainer(c, run_dir, devices=learner_devices + (jax.devices()[-c.rollout_mesh.devices:]

@@ -110,6 +110,29 @@ def test_sampled_evaluation_end_to_end(monkeypatch):
   assert cold["eval_pass1"] == pytest.approx(cold["eval_accuracy"]) == cold["eval_pass_at_k"]
 
 
+@pytest.mark.parametrize("engine,slots", [("continuous", 4), ("static", 5)])
+def test_evaluation_on_the_runs_engine_and_slots_gives_the_one_block_completions(monkeypatch, engine, slots):
+  """The continuous engine on 4 slots (a finished row's slot takes the next problem) and the static one in blocks
+  of 5 rows decode the greedy completions of one block of all 15 problems, on the debug model."""
+  config = grpo_arith.get_config("debug")
+  config.task.num_eval = 15
+  config.model.vocab_size = 18
+  exp = Experiment.create(config, devices=jax.devices()[:1])
+  graphdef, params = exp.init_params(0)
+  scored = []
+  monkeypatch.setattr(exp.task, "reward", lambda completion, problem: scored.append(completion) or 0.0)
+  evaluate(exp, graphdef, params, EvalConfig())
+  one_block, scored[:] = list(scored), []
+  exp.config.sampling.engine = engine
+  evaluate(exp, graphdef, params, EvalConfig(slots=slots))
+  assert scored == one_block and len(set(one_block)) > 1
+  with pytest.raises(ValueError, match=r"eval.slots=-1"):
+    EvalConfig(slots=-1)
+  if engine == "static":
+    with pytest.raises(ValueError, match=r"eval.slots=4: the static engine .* must divide 15"):
+      evaluate(exp, graphdef, params, EvalConfig(slots=4))
+
+
 def _write_run(root, batch, evals):
   """A run of 8 training steps of 0.5 s and evaluation rows `evals` [(samples, {field: value})]."""
   run_dir = root / f"sqrt_b{batch}_s0"

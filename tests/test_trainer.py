@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import grpo_arith, ppo_arith
+from jaxrl_batch.analysis import runs
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.train import rundir
@@ -63,6 +64,30 @@ def test_run_writes_the_metrics_contract(tmp_path, base_cache):
   assert "sqrt rule" in saved["derived"]["lr_derivation"]
   assert saved["config"]["batch_size"] == 32
   assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 6
+
+
+def test_a_run_stops_at_the_accuracy_it_reaches_and_stays_finished(tmp_path, base_cache):
+  """stop_at_accuracy at the debug member's third evaluation (the first above the base's): the run ends there with a
+  checkpoint and the rows of the full run so far; a rerun trains nothing; the study and the analysis count it
+  finished; a bar lifted to 0 resumes it to the budget."""
+  full = str(tmp_path / "full")
+  Trainer(debug_config(base_cache), full, devices=ONE_DEVICE).run()
+  accuracies = [r["eval_accuracy"] for r in read_rows(full) if "eval_accuracy" in r]
+  assert accuracies[2] > max(accuracies[:2]), accuracies  # The member learns by 128 samples (its 4th step).
+  stopped = str(tmp_path / "stopped")
+  config = debug_config(base_cache, stop_at_accuracy=accuracies[2], checkpoint_every_samples=96)
+  Trainer(config, stopped, devices=ONE_DEVICE).run()
+  rows = read_rows(stopped)
+  assert [r["samples"] for r in rows] == [0, 32, 64, 64, 96, 128, 128] and rows[-1]["eval_accuracy"] == accuracies[2]
+  assert rundir.rows_mismatch(rows, read_rows(full)[:len(rows)]) is None
+  assert Checkpointer(os.path.join(stopped, "checkpoints")).latest_step() == 4
+  Trainer(config, stopped, devices=ONE_DEVICE).run()
+  assert len(read_rows(stopped)) == len(rows)
+  assert rundir.is_finished(stopped, config) and not rundir.is_finished(stopped, debug_config(base_cache))
+  run = runs.read_run(stopped, "stopped")
+  assert run.finished and run.stopped_early and not runs.read_run(full, "full").stopped_early
+  Trainer(debug_config(base_cache, stop_at_accuracy=0.0), stopped, devices=ONE_DEVICE).run()
+  assert [r["samples"] for r in read_rows(stopped) if "eval_accuracy" in r] == [0, 64, 128, 192]
 
 
 def _straight_and_resumed(tmp_path, monkeypatch, config):
@@ -152,6 +177,8 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, ba
     ({"eval_every_samples": -64}, r"eval_every_samples=-64 must be >= 0"),
     ({"checkpoint_every_samples": -1}, r"checkpoint_every_samples=-1 must be >= 0"),
     ({"log_every_steps": 0}, r"log_every_steps=0 must be >= 1"),
+    ({"stop_at_accuracy": 1.5}, r"stop_at_accuracy=1.5: the held-out accuracy"),
+    ({"stop_at_accuracy": 0.5, "eval_every_samples": 0}, r"so eval_every_samples must be > 0"),
     ({"tokenizer_path": "/nonexistent/x.model"}, "x.model"),
     ({"rollout.partial": True}, "set sampling.engine='continuous'"),
     ({"sampling.engine": "paged"}, "sampling.engine must be one of"),

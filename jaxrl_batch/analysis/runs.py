@@ -47,6 +47,7 @@ class Run:
     phase_s: (N, 3) seconds of each step in rollout / reward / update.
     cold: (N,) bool, rows that include compilation (first of a run or of a resumed session).
     staleness: `config.rl.max_staleness` (steps generation ran ahead of the learner; 0 = synchronous).
+    stopped_early: the run ended before its budget at an evaluation that reached `config.stop_at_accuracy`.
   """
   name: str
   rule: str
@@ -59,6 +60,7 @@ class Run:
   phase_s: np.ndarray
   cold: np.ndarray
   staleness: int = 0
+  stopped_early: bool = False
 
   @property
   def member(self) -> str:
@@ -66,7 +68,7 @@ class Run:
 
   @property
   def finished(self) -> bool:
-    return bool(self.train_samples[-1] >= self.sample_budget)
+    return bool(self.train_samples[-1] >= self.sample_budget) or self.stopped_early
 
 
 def _read_config(run_dir: str) -> tuple[str, int, int, int, int]:
@@ -131,7 +133,9 @@ def read_run(run_dir: str, name: str, metric: str = "eval_accuracy") -> Run | st
             eval_accuracy=np.array([r["accuracy"] for r in evals]),
             train_samples=np.array([r["samples"] for r in train]),
             phase_s=np.array([r["phases"] for r in train]),
-            cold=np.array([r["cold"] for r in train]) | clock.first_row_cold(len(train)), staleness=staleness)
+            cold=np.array([r["cold"] for r in train]) | clock.first_row_cold(len(train)), staleness=staleness,
+            stopped_early=(train[-1]["samples"] < budget
+                           and rundir.is_finished(run_dir, rundir.read_config(run_dir)["config"])))
   _increasing(run.eval_samples, metrics_path, "evaluation")
   _increasing(run.train_samples, metrics_path, "training")
   if np.any(run.phase_s < 0) or run.phase_s[~run.cold].sum() <= 0:

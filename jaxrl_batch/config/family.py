@@ -249,6 +249,10 @@ def member(config, data_parallel: int = 1) -> Member:
     raise ValueError(f"log_every_steps={config.log_every_steps} must be >= 1 (steps between progress lines).")
   if config.sample_budget < b:
     raise ValueError(f"sample_budget={config.sample_budget} is smaller than one batch ({b} rollouts).")
+  stop_at = config.get("stop_at_accuracy", 0.0)
+  if not 0 <= stop_at <= 1 or (stop_at and not config.eval_every_samples):
+    raise ValueError(f"stop_at_accuracy={stop_at}: the held-out accuracy (0..1] that ends the run early, checked at "
+                     "each evaluation (so eval_every_samples must be > 0); 0 = train to sample_budget.")
   actor_lr, actor_adam = optimizer_settings(config.optim, b)
   critic_lr, critic_adam = optimizer_settings(config.critic.optim, b) if algo.critic else (None, None)
   return Member(algo=algo, family_axis=config.get("family_axis", "prompts"), seed=config.seed, batch_size=b,

@@ -1,5 +1,6 @@
 """Held-out evaluation on the task's fixed eval split: greedy decoding, and with `config.eval.num_samples` = k > 0
-also k sampled completions per problem, reported as pass@1, pass@k and maj@k."""
+also k sampled completions per problem, reported as pass@1, pass@k and maj@k; decoded by the run's engine on
+`config.eval.slots` slots."""
 import collections
 import dataclasses
 import functools
@@ -10,8 +11,8 @@ import jax
 import numpy as np
 
 from jaxrl_batch.runtime.distributed import to_host
-from jaxrl_batch.runtime.sharding import data_parallel_size
-from jaxrl_batch.sampling import SamplingParams, generate
+from jaxrl_batch.runtime.sharding import batch_sharding, data_parallel_size
+from jaxrl_batch.sampling import rollout
 from jaxrl_batch.train.setup import Experiment
 
 # A sample is correct (pass@k, maj@k) when it earns the full reward: `Task.reward` is 1.0 if it solves the problem.
@@ -21,9 +22,13 @@ GREEDY_SEED, SAMPLING_SEED = 0, 1  # Keys of the two passes: fixed, so evaluatio
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """`config.eval`: `num_samples` (k) completions per held-out problem sampled at `temperature` (0 = greedy only)."""
+  """`config.eval`: `num_samples` (k) completions per held-out problem sampled at `temperature` (0 = greedy only);
+  `slots`: sequences decoded at once per device by the run's engine (`sampling.engine`, chunk, backend), 0 = every
+  held-out row at once. With the continuous engine a few hundred slots make the cost follow the tokens generated
+  (a finished row's slot takes the next problem); the static engine decodes blocks of `slots` rows."""
   num_samples: int = 0
   temperature: float = 1.0
+  slots: int = 0
 
   def __post_init__(self):
     k, t = self.num_samples, self.temperature
@@ -33,6 +38,9 @@ class EvalConfig:
     if k and not (isinstance(t, int | float) and t > 0):
       raise ValueError(f"eval.temperature={t!r}: the temperature of the eval.num_samples={k} samples must be > 0 "
                        "(the greedy pass is eval_accuracy).")
+    if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 0:
+      raise ValueError(f"eval.slots={self.slots!r}: sequences decoded at once per device, an integer >= 0 (0 = every "
+                       "held-out row at once).")
 
   @classmethod
   def from_config(cls, config) -> "EvalConfig":
@@ -93,15 +101,22 @@ def evaluate(exp: Experiment, graphdef, params, settings: EvalConfig | None = No
   dp = data_parallel_size(exp.mesh)
   padded = problems + problems[: (-len(problems)) % dp]
   tokens_BxP, valid_BxP = exp.encode_prompts(padded)
-  decode = functools.partial(generate, graphdef, params, max_new_tokens=exp.response_len, eos_id=exp.stop_id,
-                             pad_id=exp.tokenizer.pad_id)
+  slots = settings.slots * dp
+  engine = dataclasses.replace(exp.sampling, top_k=0, top_p=1.0, slots=slots)
+  if engine.engine == "static" and slots and (len(padded) % slots or slots % max(k, 1)):
+    raise ValueError(f"eval.slots={settings.slots}: the static engine decodes the {len(padded)} held-out problems "
+                     f"(x {k} samples) in blocks of eval.slots x {dp} devices rows, which must divide "
+                     f"{len(padded)} and be a multiple of eval.num_samples; or use 0, or sampling.engine=continuous.")
+  decode = functools.partial(rollout, graphdef, params, max_new_tokens=exp.response_len, eos_id=exp.stop_id,
+                             pad_id=exp.tokenizer.pad_id, slots=slots,
+                             row_sharding=functools.partial(batch_sharding, exp.mesh))
   greedy_in = exp.shard_batch((tokens_BxP, valid_BxP))
   sampled_in = exp.shard_batch((np.repeat(tokens_BxP, k, axis=0), np.repeat(valid_BxP, k, axis=0))) if k else None
   with jax.set_mesh(exp.mesh):
-    outs = [decode(*greedy_in, jax.random.key(GREEDY_SEED), sampling=SamplingParams(temperature=0.0))]
+    outs = [decode(*greedy_in, jax.random.key(GREEDY_SEED), sampling=dataclasses.replace(engine, temperature=0.0))[0]]
     if k:  # Each problem's k rows are adjacent: one prefill per problem.
       outs.append(decode(*sampled_in, jax.random.key(SAMPLING_SEED),
-                         sampling=SamplingParams(temperature=settings.temperature), group_size=k))
+                         sampling=dataclasses.replace(engine, temperature=settings.temperature), group_size=k)[0])
   fetched = to_host([(out.tokens_BxN, out.mask_BxN) for out in outs])
   texts = [exp.decode_responses(tokens_BxN, mask_BxN) for tokens_BxN, mask_BxN in fetched]
   p = len(problems)

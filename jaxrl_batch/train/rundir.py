@@ -33,7 +33,8 @@ TB = "tb"
 # Config fields (dotted names) that may change when a run resumes; any other difference from config.json is refused.
 RESUMABLE_FIELDS = ("log_every_steps", "log_samples_every_steps", "log_samples_count", "log_samples_max_chars",
                     "eval_every_samples", "checkpoint_every_samples", "sft", "eval",
-                    "task.reward_timeout_s", "task.reward_workers", "task.stream_rewards", "writers", "wandb")
+                    "task.reward_timeout_s", "task.reward_workers", "task.stream_rewards", "writers", "wandb",
+                    "stop_at_accuracy")
 
 
 def config_path(run_dir: str) -> str:
@@ -119,6 +120,20 @@ def read_metrics(run_dir: str) -> list[dict]:
 def finished_samples(run_dir: str) -> int:
   """Cumulative samples of a run's last training row (0 if it has none)."""
   return max((r["samples"] for r in read_metrics(run_dir) if "reward_mean" in r), default=0)
+
+
+def reached_accuracy(accuracy: float | None, stop_at: float) -> bool:
+  """Whether a held-out accuracy ends a run early: `config.stop_at_accuracy` > 0 and accuracy >= it."""
+  return stop_at > 0 and accuracy is not None and accuracy >= stop_at
+
+
+def is_finished(run_dir: str, config) -> bool:
+  """Whether the run in `run_dir` is complete under `config` (its member's): trained to config.sample_budget, or
+  stopped by an evaluation that reached config.stop_at_accuracy."""
+  rows = read_metrics(run_dir)
+  trained = max((r["samples"] for r in rows if "reward_mean" in r), default=0)
+  last_eval = next((r["eval_accuracy"] for r in reversed(rows) if "eval_accuracy" in r), None)
+  return trained >= config["sample_budget"] or reached_accuracy(last_eval, config.get("stop_at_accuracy", 0.0))
 
 
 # Fields of a metrics row that the config and seed determine (timings excluded): a resumed run must reproduce them.

@@ -319,7 +319,9 @@ class Trainer:
       self.metrics.write(dict(step=0, samples=0, wall_s=wall(), **held_out))
       logging.info("Step 0: held-out greedy accuracy %.3f (base policy).", eval_acc)
     first_step, row, idle = step, {}, 0
-    while samples < m.sample_budget:
+    stop_at = c.get("stop_at_accuracy", 0.0)
+    reached = lambda acc: rundir.reached_accuracy(acc, stop_at)
+    while samples < m.sample_budget and not reached(eval_acc):
       state, row, device_metrics = self._train_step(state, step)
       trained = row["trained_samples"]
       idle = idle + 1 if trained == 0 else 0
@@ -345,6 +347,7 @@ class Trainer:
         held_out = self._evaluate(state["params"])
         eval_acc = held_out["eval_accuracy"]
         self.metrics.write(dict(step=step, samples=samples, wall_s=wall(), **held_out))
+        done = save = done or save or reached(eval_acc)
       if step % c.log_every_steps == 0 or done:
         rate = (time.time() - start) / (step - first_step)
         steps_left = math.ceil(max(m.sample_budget - samples, 0) / m.batch_size)
@@ -364,7 +367,7 @@ class Trainer:
       if stop and not done:
         raise Stopped(signals.signum, step, self.checkpointer.directory)
     self._flush()
-    logging.info("Done: %d steps, %d samples (%d generated), final held-out accuracy %s.", step, samples, generated,
-                 eval_acc)
+    logging.info("Done: %d steps, %d samples (%d generated), final held-out accuracy %s%s.", step, samples, generated,
+                 eval_acc, f" (stop_at_accuracy={stop_at} reached)" if reached(eval_acc) else "")
     return dict(row, eval_accuracy=eval_acc)
 
