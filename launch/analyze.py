@@ -21,6 +21,8 @@ flags.DEFINE_string("metric", "eval_accuracy", "Evaluation field to analyse: eva
 flags.DEFINE_string("reference", None, "Reference member '<rule>_b<batch>'; default: smallest sqrt batch.")
 flags.DEFINE_integer("smooth", 1, "Odd number of evaluation points in the centred moving average (1 = none).")
 flags.DEFINE_float("invariance_tol", 0.05, "Largest accuracy gap to the reference curve inside a family range.")
+flags.DEFINE_string("noise_run", None, "A run directory whose logged gradient noise scale (e.g. the reference member "
+                    "with --config.rl.noise_split=True) is compared with the study's samples penalties.")
 flags.mark_flags_as_required(["workdir", "target"])
 FLAGS = flags.FLAGS
 
@@ -28,7 +30,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   analysis = analyze(FLAGS.workdir, FLAGS.target, FLAGS.reference, FLAGS.smooth, FLAGS.invariance_tol,
-                     FLAGS.metric)
+                     FLAGS.metric, FLAGS.noise_run)
   print(decision_table(analysis))
   print("\n".join(os.path.join(FLAGS.workdir, name) for name in analysis["files"]))
 

@@ -310,3 +310,31 @@ def test_cold_rows_after_a_resume_are_charged_at_the_steady_rate():
   np.testing.assert_allclose(clock.clock_at(train_samples, phase_s, [64, 128], cold), [2, 4])
   # Without the marker only the first row is excluded, and the resume's compile time counts.
   np.testing.assert_allclose(clock.clock_at(train_samples, phase_s, [128]), [32 / (96 / 11) + 11])
+
+
+def test_noise_scale_of_one_run_against_the_measured_penalties(tmp_path):
+  """S = 500, 500, 600, 1000 at batches 16..128 (a penalty from 64 on); a noise run logging B_simple = 80 rollouts
+  as G x 15 prompts + 20 (means over its rows, the EMA's first null) predicts the penalty
+  (1 + B/80) / (1 + 16/80) and its 1.1x start at 0.1 x 80 + 1.1 x 16 = 25.6; the measured one starts at 64."""
+  for batch, s in ((16, 500), (32, 500), (64, 600), (128, 1000)):
+    write_run(tmp_path, "sqrt", batch, reaching(s, end=2048), budget=2048)
+  noise_run = tmp_path.parent / "noise_run"
+  noise_run.mkdir()
+  (noise_run / "config.json").write_text(json.dumps(dict(config=dict(batch_size=16, num_prompts=4, group_size=0))))
+  rows = [dict(step=1, samples=16, reward_mean=0.5, noise_scale=None, noise_inter=None, noise_intra=None)]
+  rows += [dict(step=s, samples=16 * s, reward_mean=0.5, noise_scale=80.0 + d, noise_inter=15.0 + d / 4,
+                noise_intra=20.0) for s, d in ((2, -4.0), (3, 4.0))]
+  (noise_run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  noise = analyze(str(tmp_path), 0.6, noise_run=str(noise_run))["noise"]
+  assert (noise["noise_scale"], noise["noise_inter"], noise["noise_intra"]) == (80.0, 15.0, 20.0)
+  assert noise["group_size"] == 4 and noise["rows"] == 3 and noise["predicted_start"] == pytest.approx(25.6)
+  sqrt = noise["rules"]["sqrt"]
+  assert [b["measured_penalty"] for b in sqrt["batches"]] == pytest.approx([1.0, 1.0, 1.2, 2.0])
+  assert [b["predicted_penalty"] for b in sqrt["batches"]] == pytest.approx(
+      [(1 + b / 80) / 1.2 for b in (16, 32, 64, 128)])
+  assert sqrt["measured_start"] == 64 and sqrt["fit"]["b_noise"] > 0
+  report = (tmp_path / "report.md").read_text()
+  assert "## Gradient noise scale" in report and "B_simple = 80 rollouts = G x 15 prompts" in report
+  (noise_run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+  with pytest.raises(ValueError, match="logged no noise_scale"):
+    analyze(str(tmp_path), 0.6, noise_run=str(noise_run))

@@ -99,6 +99,31 @@ def staleness_section(analysis: dict) -> str:
   return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n\n" + " ".join(summary)
 
 
+def noise_section(analysis: dict) -> str:
+  """Markdown: the noise scale of one run against the samples penalties of each rule (`analysis.noise`)."""
+  n = analysis["noise"]
+  split = "" if n["noise_inter"] is None else (
+      f" = G x {_num(n['noise_inter'])} prompts (inter-prompt) + {_num(n['noise_intra'])} rollouts (intra-prompt), "
+      f"G = {n['group_size']}")
+  lines = ["## Gradient noise scale",
+           f"`{n['run']}` (batch {n['batch']}, {n['rows']} steps) measured B_simple = {_num(n['noise_scale'])} "
+           f"rollouts{split}. Predicted samples penalty (1 + B/B_simple)/(1 + B0/B_simple) against the measured "
+           f"S/S0 (B0 = {n['reference_batch']}); predicted to reach {n['penalty_start']}x at batch "
+           f"{_num(n['predicted_start'])}.",
+           "Each cell: measured penalty (predicted)."]
+  batches = sorted({b["batch"] for r in n["rules"].values() for b in r["batches"]})
+  lines += ["| rule | B_noise of the S(B) fit | " + " | ".join(f"B={b}" for b in batches)
+            + f" | penalty >= {n['penalty_start']}x from |",
+            "| --- | --- | " + " | ".join("---" for _ in batches) + " | --- |"]
+  for rule, r in n["rules"].items():
+    by_batch = {b["batch"]: b for b in r["batches"]}
+    cells = [f"{_ratio(by_batch[b]['measured_penalty'])} ({_ratio(by_batch[b]['predicted_penalty'])})"
+             if b in by_batch else "-" for b in batches]
+    fit = "-" if r["fit"] is None else ("inf" if r["fit"]["b_noise"] is None else _num(r["fit"]["b_noise"]))
+    lines.append(f"| {rule} | {fit} | " + " | ".join(cells) + f" | {r['measured_start'] or '-'} |")
+  return "\n\n".join(lines[:3]) + "\n\n" + "\n".join(lines[3:])
+
+
 def render(analysis: dict) -> str:
   """The whole report.md."""
   parts = [
@@ -111,6 +136,7 @@ def render(analysis: dict) -> str:
       decision_table(analysis),
       conclusion(analysis),
       *([staleness_section(analysis)] if analysis.get("staleness") else []),
+      *([noise_section(analysis)] if analysis.get("noise") else []),
       "## Definitions\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in analysis["definitions"].items()),
   ]
   if analysis["skipped"]:

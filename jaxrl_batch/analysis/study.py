@@ -3,7 +3,7 @@ import json
 import math
 import os
 
-from jaxrl_batch.analysis import decision, members, plots, report
+from jaxrl_batch.analysis import decision, members, noise, plots, report
 from jaxrl_batch.analysis.curves import check_smooth, mean_abs_gap
 from jaxrl_batch.analysis.runs import load_study
 
@@ -27,6 +27,11 @@ DEFINITIONS = {
                 "measured_time_ratio = T/T0 with measured_time_ratio_ci, its 90% percentile bootstrap over both "
                 "members' seeds (resampled independently); verdict faster if that interval lies below 1, slower if "
                 "above, indistinguishable if it contains 1; censored if either member never reached the target",
+    "noise": "with --noise_run: that run's mean noise_scale (B_simple, rollouts; with rl.noise_split its "
+             "noise_inter in prompts and noise_intra in rollouts) and per rule the predicted samples penalty "
+             "(1 + B/B_simple)/(1 + B0/B_simple) next to the measured S/S0, the B_noise of S(B) = S_min (1 + "
+             "B/B_noise) fitted to the rule's members, and the batch where the penalty reaches 1.1 (predicted: "
+             "0.1 B_simple + 1.1 B0)",
     "invariance_gap": "mean |seed-mean accuracy - reference seed-mean accuracy| over the samples both cover",
     "family_range": "per rule, the contiguous batches around the reference batch with invariance_gap <= "
                     "invariance_tol (synchronous members)",
@@ -49,7 +54,7 @@ def _check(target: float, smooth: int, invariance_tol: float, metric: str) -> No
 
 
 def analyze(study_dir: str, target: float, reference: str | None = None, smooth: int = 1,
-            invariance_tol: float = 0.05, metric: str = "eval_accuracy") -> dict:
+            invariance_tol: float = 0.05, metric: str = "eval_accuracy", noise_run: str | None = None) -> dict:
   """Analyses every run under `study_dir` at `target` of `metric`; writes and returns analysis.json's content.
 
   Args:
@@ -62,6 +67,9 @@ def analyze(study_dir: str, target: float, reference: str | None = None, smooth:
     invariance_tol: largest invariance gap (accuracy units) of a batch inside its rule's family range.
     metric: the evaluation field whose curve is analysed: eval_accuracy (greedy), or with eval.num_samples > 0
       eval_pass1, eval_pass_at_k, eval_maj_at_k (`train.evaluation`); every evaluation row must hold it.
+    noise_run: a run directory whose logged gradient noise scale (e.g. the reference member trained with
+      rl.noise_split=True) is compared with the penalties the study measured (`analysis.noise`); None: no such
+      section.
   """
   _check(target, smooth, invariance_tol, metric)
   runs, skipped = load_study(study_dir, metric)
@@ -85,6 +93,8 @@ def analyze(study_dir: str, target: float, reference: str | None = None, smooth:
   analysis = dict(target=target, metric=metric, reference=ref["member"], smooth=smooth, invariance_tol=invariance_tol,
                   definitions=DEFINITIONS, members=summaries, families=families,
                   staleness=decision.staleness(summaries), skipped=skipped)
+  if noise_run:
+    analysis["noise"] = noise.compare(noise.measured(noise_run), summaries, ref)
   analysis["files"] = ["analysis.json", "report.md"] + plots.write(study, summaries, target, study_dir, metric)
   with open(os.path.join(study_dir, "analysis.json"), "w") as f:
     json.dump(analysis, f, indent=2)
