@@ -2,11 +2,14 @@ r"""Recommends a batch size: T(B) = S(B) / R(B) from a throughput sweep and the 
 
   python -m launch.analyze --workdir=/tmp/arith_study --target=0.9
   python -m launch.plan_batch --config=configs/grpo_arith.py --workdir=/tmp/arith_study --rule=sqrt \
-      --batches=32,64,128,256,512,1024 --steps=4
+      --batches=32,64,128,256,512,1024 --learn_batches=64,256
 
-The sweep runs a few steps of each batch's member (built as launch.study builds it: batch=B,lr_rule=RULE,seed=0) in
-WORKDIR/throughput/b<B>/ (resumable); S(B) = S_min (1 + B / B_noise) is fitted to the rule's members in
-WORKDIR/analysis.json. Writes WORKDIR/plan.json and WORKDIR/plan.md (predicted vs measured T).
+The sweep trains each batch's member (built as launch.study builds it: batch=B,lr_rule=RULE,seed=0) in
+WORKDIR/throughput/b<B>/ (resumable; a run shorter than these flags ask for is rerun) for the compiling step,
+--warmup steps, then max(--steps - 1, --min_samples / B) timed steps, whose R is measured as the analysis measures
+it; S(B) = S_min (1 + B / B_noise) is fitted to the rule's synchronous members in WORKDIR/analysis.json (only
+those at --learn_batches, if given, so that the others test the prediction). Writes WORKDIR/plan.json and
+WORKDIR/plan.md (predicted vs measured T and its error).
 """
 import json
 import os
@@ -21,7 +24,12 @@ flags.DEFINE_string("config", None, "Config file of the study, optionally with b
 flags.DEFINE_string("workdir", None, "Study directory holding analysis.json (run launch.analyze first).")
 flags.DEFINE_string("rule", "sqrt", "The family rule to plan for.")
 flags.DEFINE_list("batches", ["32", "64", "128", "256", "512", "1024"], "Batches of the throughput sweep.")
-flags.DEFINE_integer("steps", 4, "Training steps per swept batch (the first, compiling, is not timed).")
+flags.DEFINE_integer("steps", 4, "Training steps per swept batch besides the warm-up (the first, compiling, is not "
+                     "timed).")
+flags.DEFINE_integer("warmup", 5, "Untimed steps after the compiling one (XLA:CPU still compiles rarer shapes).")
+flags.DEFINE_integer("min_samples", 1024, "Timed samples per swept batch at least: small batches run more steps.")
+flags.DEFINE_list("learn_batches", [], "Batches whose members the S(B) fit uses (default: every member that reached "
+                  "the target).")
 flags.DEFINE_multi_string("set", [], "key=value override applied to every swept run (as in launch.study).")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
@@ -37,10 +45,13 @@ def main(argv):
   with open(path) as f:
     analysis = json.load(f)
   measured = {m["batch"]: (m["samples_to_target"], m["time_to_target_s"])
-              for m in analysis["members"] if m["rule"] == FLAGS.rule}
+              for m in analysis["members"] if m["rule"] == FLAGS.rule and not m.get("staleness")}
   swept = throughput_sweep(FLAGS.config, os.path.join(FLAGS.workdir, "throughput"),
-                           [int(b) for b in FLAGS.batches], FLAGS.rule, FLAGS.steps, FLAGS.set)
-  result = dict(planner.plan(swept, measured), rule=FLAGS.rule, target=analysis["target"])
+                           [int(b) for b in FLAGS.batches], FLAGS.rule, FLAGS.steps, FLAGS.set,
+                           warmup=FLAGS.warmup, min_samples=FLAGS.min_samples)
+  learn = [int(b) for b in FLAGS.learn_batches] or None
+  sweep = dict(steps=FLAGS.steps, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples)
+  result = dict(planner.plan(swept, measured, learn), rule=FLAGS.rule, target=analysis["target"], sweep=sweep)
   with open(os.path.join(FLAGS.workdir, "plan.json"), "w") as f:
     json.dump(result, f, indent=2)
   table = planner.render(result)

@@ -183,7 +183,7 @@ def test_plan_batch_cli_writes_the_plan_and_reuses_finished_sweep_runs(swept, ca
   mtimes = [os.path.getmtime(p) for p in logs]
   proc = subprocess.run(
       [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
-       f"--workdir={plan_dir}", "--batches=16,32", "--steps=2", f"--set={cache}"],
+       f"--workdir={plan_dir}", "--batches=16,32", "--steps=2", "--warmup=0", "--min_samples=0", f"--set={cache}"],
       cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert mtimes == [os.path.getmtime(p) for p in logs]  # The sweep's runs were finished: nothing retrained.

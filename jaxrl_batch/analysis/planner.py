@@ -5,7 +5,9 @@
 - R(B), samples per second, is measured directly by a short throughput sweep (a few steps per batch, no training to
   target), and linearly interpolated in log B between swept batches.
 The recommendation is the swept batch with the smallest predicted T. A fit with slope <= 0 (no samples penalty
-observed) has B_noise = inf: S is flat and the planner then prefers the fastest batch.
+observed) has B_noise = inf: S is flat and the planner then prefers the fastest batch. The fit may be restricted to
+the members at a few batches (`learn_batches`), so that the others test the prediction: each trained member's row
+holds the relative error of its predicted T.
 """
 import math
 
@@ -35,35 +37,54 @@ def interpolate_throughput(batch: float, swept: dict[int, float]) -> float:
   return float(np.interp(math.log(batch), [math.log(x) for x in xs], [swept[x] for x in xs]))
 
 
-def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]]) -> dict:
+def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]],
+         learn_batches: list[int] | None = None) -> dict:
   """Predicted T(B) at every swept batch, and predicted vs measured T where a member was trained.
 
   Args:
     swept: {batch: measured samples/s} from the throughput sweep.
     measured: {batch: (samples_to_target, time_to_target_s)} of the study's members of one rule (None: censored).
+    learn_batches: the batches whose members the S(B) fit uses; None: every member that reached the target.
   """
-  reached = {b: st for b, st in measured.items() if st[0] is not None}
-  s_min, b_noise = fit_samples_model(list(reached), [st[0] for st in reached.values()])
+  reached = {b: st[0] for b, st in measured.items() if st[0] is not None}
+  if learn_batches is not None:
+    missing = sorted(set(learn_batches) - set(reached))
+    if missing:
+      raise ValueError(f"Learn batches {missing} have no member that reached the target; members that did: "
+                       f"{sorted(reached)}.")
+    reached = {b: reached[b] for b in learn_batches}
+  s_min, b_noise = fit_samples_model(list(reached), list(reached.values()))
   rows = []
   for batch in sorted(set(swept) | set(measured)):
     rate = swept[batch] if batch in swept else interpolate_throughput(batch, swept)
     samples = predicted_samples(batch, s_min, b_noise)
-    measured_t = measured.get(batch, (None, None))[1]
+    predicted_t, measured_t = samples / rate, measured.get(batch, (None, None))[1]
     rows.append(dict(batch=batch, throughput_samples_per_s=rate, predicted_samples_to_target=samples,
-                     predicted_time_to_target_s=samples / rate, measured_time_to_target_s=measured_t,
-                     swept=batch in swept))
+                     predicted_time_to_target_s=predicted_t, measured_time_to_target_s=measured_t,
+                     error=None if measured_t is None else predicted_t / measured_t - 1, swept=batch in swept,
+                     in_fit=batch in reached))
   best = min((r for r in rows if r["swept"]), key=lambda r: r["predicted_time_to_target_s"])
-  return dict(s_min=s_min, b_noise=b_noise, rows=rows, recommended_batch=best["batch"])
+  trained = [r for r in rows if r["measured_time_to_target_s"] is not None]
+  fastest = min(trained, key=lambda r: r["measured_time_to_target_s"])["batch"] if trained else None
+  return dict(s_min=s_min, b_noise=b_noise, rows=rows, recommended_batch=best["batch"],
+              learn_batches=sorted(reached), measured_best_batch=fastest)
 
 
 def render(result: dict) -> str:
-  """plan.md: the fit, predicted vs measured T per batch, and the recommendation."""
+  """plan.md: the fit, the sweep's settings, predicted vs measured T per batch, and the recommendation."""
+  sweep = result["sweep"]
   lines = [f"# Batch plan ({result['rule']} rule, target {result['target']})", "",
-           f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to target.", "",
-           "| batch | R samples/s | S predicted | T predicted s | T measured s |", "| --- | --- | --- | --- | --- |"]
+           f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to target, fitted to the members "
+           f"at B = {', '.join(map(str, result['learn_batches']))}.",
+           f"R(B) from >= {sweep['steps'] - 1} timed steps and >= {sweep['min_samples']} samples per batch, after the "
+           f"compiling step and {sweep['warmup']} warm-up steps.", "",
+           "| batch | R samples/s | S predicted | T predicted s | T measured s | error | fitted |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
   for r in result["rows"]:
     measured = "-" if r["measured_time_to_target_s"] is None else f"{r['measured_time_to_target_s']:.2f}"
+    error = "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"
     lines.append(f"| {r['batch']} | {r['throughput_samples_per_s']:.1f} | {r['predicted_samples_to_target']:.0f} | "
-                 f"{r['predicted_time_to_target_s']:.2f} | {measured} |")
-  lines += ["", f"Recommended batch: {result['recommended_batch']} (smallest predicted T among swept batches).", ""]
+                 f"{r['predicted_time_to_target_s']:.2f} | {measured} | {error} | {'yes' if r['in_fit'] else 'no'} |")
+  lines += ["", f"Recommended batch: {result['recommended_batch']} (smallest predicted T among swept batches); "
+            f"fastest trained member: {result['measured_best_batch'] or '-'}.", ""]
   return "\n".join(lines)

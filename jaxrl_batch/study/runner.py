@@ -9,10 +9,13 @@ running (its workdir lock is held) is skipped with a warning.
 """
 import importlib.util
 import logging
+import math
 import os
+import shutil
 import time
 
 import ml_collections
+import numpy as np
 
 from jaxrl_batch.analysis import clock, runs
 from jaxrl_batch.config import family
@@ -105,7 +108,7 @@ def run_study(config_path: str, workdir: str, batches: list[int], rules: list[st
   start, done = time.time(), 0
   for i, (member, config) in enumerate(todo):
     run_dir = os.path.join(workdir, member.name)
-    if rundir.finished_samples(run_dir) >= member.sample_budget:
+    if rundir.is_finished(run_dir, config):
       logging.info("[%d/%d] %s: finished, skipped.", i + 1, len(todo), member.name)
       continue
     logging.info("[%d/%d] %s: running to %d samples.", i + 1, len(todo), member.name, member.sample_budget)
@@ -115,37 +118,62 @@ def run_study(config_path: str, workdir: str, batches: list[int], rules: list[st
       logging.warning("[%d/%d] %s: skipped, another process holds it (%s)", i + 1, len(todo), member.name, e)
       continue
     done += 1
-    remaining = sum(rundir.finished_samples(os.path.join(workdir, m.name)) < m.sample_budget for m, _ in todo)
+    remaining = sum(not rundir.is_finished(os.path.join(workdir, m.name), c) for m, c in todo)
     logging.info("Study: %d/%d members finished; about %.0f s left.", len(todo) - remaining, len(todo),
                  (time.time() - start) / done * remaining)
   return [m for m, _ in todo]
 
 
-def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: str, steps: int,
-                     overrides: list[str] = (), devices=None) -> dict[int, float]:
-  """Measured samples/s at each batch from `steps` training steps (no training to target); {batch: R}.
+def sweep_steps(batch: int, steps: int, warmup: int, min_samples: int) -> int:
+  """Training steps of a throughput-sweep run at `batch`: the compiling first step, `warmup` untimed steps, then
+  max(steps - 1, ceil(min_samples / batch)) timed steps (warmup = min_samples = 0: `steps` steps, the first untimed)."""
+  if steps < 2 or warmup < 0 or min_samples < 0:
+    raise ValueError(f"steps={steps}, warmup={warmup}, min_samples={min_samples}: the sweep needs >= 2 steps (the "
+                     "first one compiles and is not timed), warmup >= 0 and min_samples >= 0.")
+  return 1 + warmup + max(steps - 1, math.ceil(min_samples / batch))
 
-  Each batch is the member dict(batch=B, lr_rule=rule, seed=0) of a study, run in `workdir/b<B>/` (resumable), with
-  evaluation and checkpoints only at its end; R excludes the first (compiling) step, as in the analysis.
+
+def untimed_rows(cold: np.ndarray, warmup: int) -> np.ndarray:
+  """(N,) bool: the training rows a sweep's R excludes, each cold row (compiling) and the `warmup` rows after it."""
+  cold = np.asarray(cold, bool)
+  return np.convolve(cold, np.ones(warmup + 1), "full")[:len(cold)] > 0
+
+
+def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: str, steps: int,
+                     overrides: list[str] = (), devices=None, warmup: int = 0, min_samples: int = 0
+                     ) -> dict[int, float]:
+  """Measured samples/s at each batch from a short training run (no training to target); {batch: R}.
+
+  Each batch is the member dict(batch=B, lr_rule=rule, seed=0) of a study (its engine, packing and lengths), run for
+  `sweep_steps` steps in `workdir/b<B>/` with evaluation and checkpoints only at its ends. R is the analysis's
+  (`clock.throughput`: rollout + reward + update seconds) over the timed rows: the first (compiling) step and the
+  `warmup` steps after it, slower on XLA:CPU while the rarer shapes compile, are excluded. A finished run of at
+  least as many steps is reused; a shorter one (an older sweep) is deleted and rerun. `steps`, `warmup` and
+  `min_samples` (samples) are those of `sweep_steps`; warmup = min_samples = 0 is the sweep of `steps` steps.
   """
-  if steps < 2:
-    raise ValueError(f"steps={steps}: the sweep needs >= 2 steps (the first one compiles and is not timed).")
   path, _, base_arg = config_path.partition(":")
   module = load_config_module(path)
   fields = [dict(batch=b, lr_rule=rule, seed=0) for b in batches]
   short = ["eval_every_samples=0", "checkpoint_every_samples=0"]
-  configs = [member_config(module, base_arg, f, [*overrides, f"sample_budget={steps * f['batch']}", *short])
-             for f in fields]
+  budgets = [sweep_steps(f["batch"], steps, warmup, min_samples) * f["batch"] for f in fields]
+  configs = [member_config(module, base_arg, f, [*overrides, f"sample_budget={budget}", *short])
+             for f, budget in zip(fields, budgets)]
   todo = [(derive(c, f, devices), c) for c, f in zip(configs, fields)]
   rates = {}
   for member, config in todo:
     name = f"b{member.batch_size}"
     run_dir = os.path.join(workdir, name)
-    if rundir.finished_samples(run_dir) < member.sample_budget:
+    finished = rundir.finished_samples(run_dir)
+    if finished < member.sample_budget:
+      saved = rundir.read_config(run_dir)
+      if saved is not None and saved["config"]["sample_budget"] != member.sample_budget:
+        logging.warning("%s holds a sweep run of %d samples (budget %d); rerunning it to %d samples.", run_dir,
+                        finished, saved["config"]["sample_budget"], member.sample_budget)
+        shutil.rmtree(run_dir)
       Trainer(config, run_dir, devices=devices).run()
     run = runs.read_run(run_dir, name)
     if isinstance(run, str):
       raise ValueError(f"Throughput run {run_dir} is not analysable: {run}.")
-    rates[member.batch_size] = clock.throughput(run.train_samples, run.phase_s, run.cold)
+    rates[member.batch_size] = clock.throughput(run.train_samples, run.phase_s, untimed_rows(run.cold, warmup))
     logging.info("Throughput at batch %d: %.1f samples/s.", member.batch_size, rates[member.batch_size])
   return rates
