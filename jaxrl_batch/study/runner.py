@@ -154,7 +154,7 @@ def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: s
   path, _, base_arg = config_path.partition(":")
   module = load_config_module(path)
   fields = [dict(batch=b, lr_rule=rule, seed=0) for b in batches]
-  short = ["eval_every_samples=0", "checkpoint_every_samples=0"]
+  short = ["eval_every_samples=0", "stop_at_accuracy=0", "checkpoint_every_samples=0"]
   budgets = [sweep_steps(f["batch"], steps, warmup, min_samples) * f["batch"] for f in fields]
   configs = [member_config(module, base_arg, f, [*overrides, f"sample_budget={budget}", *short])
              for f, budget in zip(fields, budgets)]
