@@ -78,8 +78,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
   c.sharding_rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes.
   # Generation on devices of its own (needs rl.max_staleness >= 1): the last `devices` devices, with this mesh
-  # shape, sample while the others train; 0 = colocated (generation and update share the mesh).
-  c.rollout_mesh = ml_collections.ConfigDict(dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1))
+  # shape, sample while the others train; 0 = colocated (generation and update share the mesh). On a CPU host,
+  # `process_cores` (e.g. "0") instead generates in a child process pinned to those cores, the learner on the others
+  # (`train.generator_process`: weights shipped after every update); "" = in this process.
+  c.rollout_mesh = ml_collections.ConfigDict(dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1, process_cores=""))
 
   c.algo = "grpo"  # RL algorithm: grpo (critic-free) | ppo (critic + GAE; see configs/ppo_arith.py).
   c.batch_size = arg.batch or BASE_BATCH  # B: rollouts per step (= prompts per step x group_size).

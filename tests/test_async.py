@@ -1,5 +1,6 @@
 """Asynchronous RL (`rl.max_staleness`): generation ahead of the learner, the policy lag it costs, and exact resume
 with rollouts in flight."""
+import os
 import threading
 import time
 
@@ -37,6 +38,12 @@ def test_rollouts_come_from_the_policy_k_steps_before_resume_in_flight_and_do_no
   split = str(tmp_path / "disaggregated")
   Trainer(debug_config(base_cache, **STALE, **{"rollout_mesh.devices": 1}), split, devices=jax.devices()[:2]).run()
   assert rundir.rows_mismatch(a, rundir.read_metrics(split), compared) is None
+  # Generation in a child process on core 0 (the weights shipped to it, the rollouts back): the same rows, and
+  # this process gets all its cores back.
+  cores, remote = os.sched_getaffinity(0), str(tmp_path / "process")
+  Trainer(debug_config(base_cache, **STALE, **{"rollout_mesh.process_cores": "0"}), remote, devices=ONE_DEVICE).run()
+  assert rundir.rows_mismatch(a, rundir.read_metrics(remote), compared) is None
+  assert os.sched_getaffinity(0) == cores
 
 
 def test_generation_on_its_own_devices_needs_staleness(tmp_path, base_cache):

@@ -25,13 +25,14 @@ def test_micro_batch_estimates_invert_the_expected_norms():
   assert math.isnan(float(from_micro_batches(6.0, 6.0, 1.0, 1.0, 1 / 32)["noise_signal_sq"]))  # one micro-batch
 
 
-def simulate(rng, prompts, group, dim, signal, inter, intra, u_B):
-  """Per-rollout gradients x_b = G + a_p + e_b (tr Cov a = inter, tr Cov e = intra) and the three signed sums."""
-  x = (signal + rng.normal(0, math.sqrt(inter / dim), (prompts, 1, dim))
-       + rng.normal(0, math.sqrt(intra / dim), (prompts, group, dim))).reshape(prompts * group, dim)
+def simulate(rng, draws, prompts, group, dim, signal, inter, intra, u_B):
+  """(draws, 3): squared norms of the three signed sums of per-rollout gradients x_b = G + a_p + e_b (tr Cov a =
+  inter, tr Cov e = intra), drawn `draws` times."""
+  x = (signal + rng.normal(0, math.sqrt(inter / dim), (draws, prompts, 1, dim))
+       + rng.normal(0, math.sqrt(intra / dim), (draws, prompts, group, dim))).reshape(draws, prompts * group, dim)
   rows = np.arange(prompts * group)
   s = np.concatenate([np.ones((len(rows), 1)), np.asarray(signs(rows // group, rows % group))], axis=1)
-  return np.array([np.sum(((s[:, k] * u_B) @ x) ** 2) for k in range(3)])
+  return np.sum(np.einsum("bk,nbd->nkd", s * u_B[:, None], x) ** 2, axis=-1)
 
 
 @pytest.mark.parametrize("group", [4, 5])
@@ -43,9 +44,9 @@ def test_signed_estimates_are_unbiased_for_unequal_weights(group):
   u_B = rng.uniform(0.5, 2.0, prompts * group)
   u_B /= u_B.sum()
   rows = jnp.arange(prompts * group)
-  draws = [from_signed_gradients(jnp.asarray(simulate(rng, prompts, group, dim, signal, 20.0, 60.0, u_B)),
-                                 jnp.asarray(u_B), rows // group, rows % group) for _ in range(4000)]
-  mean = {k: np.mean([float(d[k]) for d in draws]) for k in draws[0]}
+  sq_Nx3 = simulate(rng, 4000, prompts, group, dim, signal, 20.0, 60.0, u_B)
+  draws = jax.vmap(lambda sq: from_signed_gradients(sq, jnp.asarray(u_B), rows // group, rows % group))(sq_Nx3)
+  mean = {k: float(np.mean(v)) for k, v in draws.items()}
   assert mean["noise_signal_sq"] == pytest.approx(0.5, rel=0.15)
   assert mean["noise_inter_trace"] == pytest.approx(20.0, rel=0.1)
   assert mean["noise_intra_trace"] == pytest.approx(60.0, rel=0.05)
@@ -68,14 +69,13 @@ def test_ema_ratios_skip_missing_estimates_and_compose_the_split():
 
 def test_ema_ratio_converges_to_b_simple_on_noisy_micro_batch_gradients():
   rng = np.random.default_rng(0)
-  g_true, dim, small, big = np.full(50, 0.1), 50, 4, 16  # |G|^2 = 0.5, tr = 50: B_simple = 100
+  g_true, dim, small, big, steps = np.full(50, 0.1), 50, 4, 16, 3000  # |G|^2 = 0.5, tr = 50: B_simple = 100
+  samples = g_true + rng.normal(size=(steps, big, dim))
+  parts = samples.reshape(steps, big // small, small, dim).sum(2) / big  # each micro-batch's share of the gradient
+  out = from_micro_batches(np.sum(parts.sum(1) ** 2, -1), np.sum(parts**2, (1, 2)), 4 * (1 / 4) ** 2, 1.0, 1 / big)
   estimate = NoiseScale(decay=0.99)
-  for _ in range(3000):
-    samples = g_true + rng.normal(size=(big, dim))
-    parts = [samples[i * small:(i + 1) * small].sum(0) / big for i in range(big // small)]
-    out = from_micro_batches(np.sum(np.sum(parts, 0) ** 2), sum(np.sum(p**2) for p in parts), 4 * (1 / 4) ** 2,
-                             1.0, big / big**2)
-    value = estimate.update({k: float(v) for k, v in out.items()}, 1)["noise_scale"]
+  for signal_sq, trace in zip(*map(np.asarray, (out["noise_signal_sq"], out["noise_trace"]))):
+    value = estimate.update(dict(noise_signal_sq=float(signal_sq), noise_trace=float(trace)), 1)["noise_scale"]
   assert value == pytest.approx(100.0, rel=0.25)
 
 

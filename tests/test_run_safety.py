@@ -1,5 +1,6 @@
 """Nothing a run directory holds is lost: the workdir lock, checkpoint integrity and fallback, the metrics log's torn
 tail and missing checkpoints, and SIGTERM saving a real `launch.train` process."""
+import json
 import os
 import shutil
 import signal
@@ -318,3 +319,12 @@ def test_sigterm_then_kill_9_then_rerun_give_the_uninterrupted_rows(base_cache, 
   out, _ = proc.communicate(timeout=240)
   assert proc.returncode == 0 and "Resuming from step" in out, out[-3000:]
   assert rundir.rows_mismatch(rundir.read_metrics(straight), rundir.read_metrics(str(workdir))) is None
+
+
+def test_a_run_written_before_a_field_existed_resumes_only_at_its_old_behaviour():
+  new = json.loads(grpo_arith.get_config("debug").to_json())
+  old = json.loads(json.dumps(new))
+  del old["rl"]["noise_split"], old["rollout_mesh"]["process_cores"]
+  assert rundir.config_diff(old, new) == []
+  new["rl"]["noise_split"], new["rollout_mesh"]["process_cores"] = True, "0"
+  assert rundir.config_diff(old, new) == ["rl.noise_split: None -> True", "rollout_mesh.process_cores: None -> '0'"]

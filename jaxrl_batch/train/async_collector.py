@@ -4,7 +4,8 @@ At step s the learner trains on the rollouts of step s while a host thread gener
 with the policy published after step s. Colocated (the collector's mesh is the learner's), the programs share the
 devices and the host work (decoding responses, scoring them) overlaps the update; disaggregated (`rollout_mesh`:
 disjoint devices), generation and update run at once, the policy is resharded onto the rollout devices when
-published and the rollouts copied to the learner's when done. Step s's rollouts were therefore sampled by
+published and the rollouts copied to the learner's when done; in a process of its own (`rollout_mesh.process_cores`,
+`train.generator_process`), the weights are shipped to it as host arrays and the rollouts come back the same way. Step s's rollouts were therefore sampled by
 the policy of step s - k (of step 0 for the first k steps): its policy lag is min(s, k) steps, or that many times B
 rollouts (`policy_lag_samples_mean`). k = 0 is the synchronous loop (`train.collector.Collector`, no thread).
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.train.collector import Collector, Rollouts
+from jaxrl_batch.train.generator_process import RemoteGenerator
 
 # Rollouts fields saved with a checkpoint, and their dtypes (experts_BxTxLxK: int32 or absent).
 _FIELDS = {"prompt_BxP": np.int32, "prompt_valid_BxP": bool, "tokens_BxN": np.int32, "logprobs_BxN": np.float32,
@@ -31,8 +33,9 @@ _FIELDS = {"prompt_BxP": np.int32, "prompt_valid_BxP": bool, "tokens_BxN": np.in
 class AsyncCollector:
   """`Collector.collect` with generation `max_staleness` steps ahead, on one host thread."""
 
-  def __init__(self, collector: Collector, max_staleness: int, learner_mesh: jax.sharding.Mesh):
-    """`collector` generates on its experiment's mesh; `learner_mesh` is the update's."""
+  def __init__(self, collector: Collector | RemoteGenerator, max_staleness: int, learner_mesh: jax.sharding.Mesh):
+    """`collector` generates on its experiment's mesh (a `RemoteGenerator`: in its process, its rollouts uploaded
+    to the learner's devices); `learner_mesh` is the update's."""
     if max_staleness < 1:
       raise ValueError(f"max_staleness={max_staleness}: the asynchronous collector runs >= 1 step ahead.")
     if jax.process_count() > 1:
@@ -126,3 +129,5 @@ class AsyncCollector:
       if isinstance(item, concurrent.futures.Future):
         item.cancel()
     self._pool.shutdown(wait=True)
+    if isinstance(self.collector, RemoteGenerator):
+      self.collector.close()

@@ -76,12 +76,18 @@ def write_config(run_dir: str, content: dict) -> None:
   os.replace(tmp, config_path(run_dir))
 
 
+# Fields added after runs were written, with the value that does what those runs did: a saved config without one
+# resumes under a config that holds that value.
+ADDED_FIELDS = {"rl.noise_split": False, "rollout_mesh.process_cores": ""}
+
+
 def config_diff(saved: dict, new: dict, prefix: str = "") -> list[str]:
-  """Dotted names of fields whose values differ between two config dicts (ignoring RESUMABLE_FIELDS)."""
+  """Dotted names of fields whose values differ between two config dicts (ignoring RESUMABLE_FIELDS, and
+  ADDED_FIELDS absent from `saved` and at their old behaviour in `new`)."""
   diffs = []
   for key in sorted(set(saved) | set(new)):
     name = prefix + key
-    if name in RESUMABLE_FIELDS:
+    if name in RESUMABLE_FIELDS or (key not in saved and name in ADDED_FIELDS and new[key] == ADDED_FIELDS[name]):
       continue
     a, b = saved.get(key), new.get(key)
     if isinstance(a, dict) and isinstance(b, dict):

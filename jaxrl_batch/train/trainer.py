@@ -35,6 +35,7 @@ from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
 from jaxrl_batch.train import branch, evaluation, rundir, samples_log, sft, writers
 from jaxrl_batch.train.async_collector import AsyncCollector
+from jaxrl_batch.train.generator_process import RemoteGenerator
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.setup import Experiment
@@ -69,6 +70,12 @@ def _split_devices(config: ml_collections.ConfigDict, devices) -> tuple[list, Ex
   devices = list(devices or jax.devices())
   rollout = config.get("rollout_mesh")
   n = rollout.devices if rollout is not None else 0
+  if rollout is not None and rollout.get("process_cores", ""):
+    if n or config.rl.get("max_staleness", 0) < 1 or jax.process_count() > 1:
+      raise ValueError(f"rollout_mesh.process_cores={rollout.process_cores!r} generates in a process of its own, "
+                       "ahead of the learner: it needs rl.max_staleness >= 1, rollout_mesh.devices=0 and a "
+                       "single-process run.")
+    return devices, None
   if not n:
     return devices, None
   if config.rl.get("max_staleness", 0) < 1:
@@ -109,7 +116,9 @@ class Trainer:
     if partial:
       self.collector = PartialCollector(self.exp)
     elif self.algo.max_staleness:
-      self.collector = AsyncCollector(Collector(rollout_exp or self.exp), self.algo.max_staleness, self.exp.mesh)
+      cores = config.rollout_mesh.get("process_cores", "") if config.get("rollout_mesh") is not None else ""
+      generator = RemoteGenerator(config, self.exp, cores) if cores else Collector(rollout_exp or self.exp)
+      self.collector = AsyncCollector(generator, self.algo.max_staleness, self.exp.mesh)
     else:
       self.collector = Collector(self.exp)
     self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
