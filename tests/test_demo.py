@@ -48,3 +48,22 @@ def test_quickstart_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
   assert all(r["reward"] == float(r["completion"] == str(r["answer"])) for r in before + after)  # strict answers
   assert {m["member"] for m in namespace["analysis"]["members"]} == {"sqrt_b16", "sqrt_b32"}
   assert os.path.exists(tmp_path / "reduced" / "study" / "report.md")
+
+
+def test_reasoning_study_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setenv("JAXRL_BATCH_DEMO_DIR", str(tmp_path))
+  monkeypatch.setenv("JAXRL_BATCH_DEMO_BASE", base_cache)
+  monkeypatch.delenv("JAXRL_BATCH_DEMO_FULL", raising=False)
+  with open(os.path.join(ROOT, "demos", "reasoning_study.ipynb")) as f:
+    notebook = json.load(f)
+  namespace = {}
+  for cell in notebook["cells"]:
+    if cell["cell_type"] == "code":
+      source = "".join(line for line in cell["source"] if not line.lstrip().startswith(("!", "%")))
+      exec(compile(source, "reasoning_study.ipynb", "exec"), namespace)
+  assert namespace["REDUCED"]
+  assert {m["member"] for m in namespace["analysis"]["members"]} == {"sqrt_b16", "sqrt_b32"}
+  assert namespace["analysis"]["noise"]["noise_inter"] is not None  # the split's parts, from the noise run
+  assert {m["member"] for m in namespace["by_group"]["members"]} == {"sqrt_b32"}
+  assert set(namespace["swept"]) == {16, 32} and namespace["plan"]["recommended_batch"] in (16, 32)
