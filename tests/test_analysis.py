@@ -20,7 +20,7 @@ MEMBER_FIELDS = {
     "batch", "rule", "samples_to_target", "samples_to_target_ci", "time_to_target_s", "time_to_target_ci",
     "throughput_samples_per_s", "throughput_ci", "rollout_s_per_sample", "reward_s_per_sample",
     "update_s_per_sample", "gain", "penalty", "predicted_time_ratio", "measured_time_ratio",
-    "measured_time_ratio_ci", "verdict",
+    "measured_time_ratio_ci", "ci_paired", "verdict",
     "invariance_gap", "n_seeds", "n_censored", "seeds", "staleness"}
 
 
@@ -162,10 +162,27 @@ def test_verdicts_are_faster_or_slower_only_when_the_ratio_interval_excludes_1(t
   assert unsure["measured_time_ratio"] == pytest.approx(9.5 / 10.5) and unsure["verdict"] == "indistinguishable"
   lo, hi = unsure["measured_time_ratio_ci"]
   assert lo < 1 < hi
-  # The interval is a bootstrap of the two members' seed means: within the extreme ratios, around the mean one.
-  assert 2 / 4 <= lo < unsure["measured_time_ratio"] < hi <= 4.5 / 3
+  # The interval is a bootstrap of the two members' seed means, paired by seed (the same seeds reached the target in
+  # both): within the extreme per-seed ratios, around the mean one.
+  assert unsure["ci_paired"] and 2 / 3 <= lo < unsure["measured_time_ratio"] < hi <= 4.5 / 4
   report = (tmp_path / "report.md").read_text()
-  assert f"| 0.90x [{lo:.2f}, {hi:.2f}] | indistinguishable |" in report
+  assert f"| 0.90x [{lo:.2f}, {hi:.2f}] p | indistinguishable |" in report
+
+
+def test_seeds_that_share_a_warm_start_are_paired(tmp_path):
+  """The seed sets T for both members (T = 2, 4, 8 s at B0 = 64; 0.9x that at 128): resampled independently the
+  ratio's interval straddles 1, paired by seed it is 0.9 exactly: faster. A censored seed unpairs the members."""
+  for seed, t in enumerate((2.0, 4.0, 8.0)):
+    write_run(tmp_path, "sqrt", 64, reaching(t * 128, end=2048), budget=2048, seed=seed)
+    write_run(tmp_path, "sqrt", 128, reaching(0.9 * t * 256, end=2048), budget=2048, seed=seed)
+    write_run(tmp_path, "none", 128, reaching(0.9 * t * 256 if seed else 4096, end=2048), budget=2048, seed=seed)
+  members = by_name(analyze(str(tmp_path), target=0.6))
+  paired, unpaired = members["sqrt_b128"], members["none_b128"]
+  assert paired["ci_paired"] and paired["measured_time_ratio_ci"] == pytest.approx([0.9, 0.9])
+  assert paired["verdict"] == "faster"
+  assert not unpaired["ci_paired"] and unpaired["n_censored"] == 1
+  lo, hi = unpaired["measured_time_ratio_ci"]
+  assert lo < 1 < hi and unpaired["verdict"] == "indistinguishable"
 
 
 def test_staleness_members_are_decided_against_their_synchronous_batch(tmp_path):

@@ -3,7 +3,9 @@
 - gain = R(B) / R(B0): throughput ratio (> 1: more samples per second).
 - penalty = S(B) / S(B0): samples-to-target ratio (> 1: more samples needed).
 - predicted_time_ratio = penalty / gain; measured_time_ratio = T(B) / T(B0); all from member means.
-- measured_time_ratio_ci: its 90% percentile-bootstrap interval, the two members' seeds resampled independently.
+- measured_time_ratio_ci: its 90% percentile-bootstrap interval: paired by seed (`ci_paired`) when both members
+  reached the target with every seed and with the same >= 2 seeds (a seed fixes the warm start, which both share),
+  else the two members' seeds resampled independently.
 - verdict: "faster" if that interval lies below 1, "slower" if above, else "indistinguishable" (with one seed each
   the interval is the point ratio); "reference" for B0 itself; "censored" (and penalty / predicted / measured None)
   if either member has no seed reaching the target. gain is always given.
@@ -37,9 +39,9 @@ def choose_reference(summaries: list[dict], reference: str | None) -> dict:
   return summaries[names.index(reference)]
 
 
-def _times(summary: dict) -> list[float]:
-  """T of each seed of a member that reached the target."""
-  return [s["time_to_target_s"] for s in summary["seeds"] if s["time_to_target_s"] is not None]
+def _times(summary: dict) -> dict[int, float]:
+  """{seed: T} of the seeds of a member that reached the target."""
+  return {s["seed"]: s["time_to_target_s"] for s in summary["seeds"] if s["time_to_target_s"] is not None}
 
 
 def decide(member: dict, ref: dict) -> dict:
@@ -49,10 +51,15 @@ def decide(member: dict, ref: dict) -> dict:
   gain = _ratio(member["throughput_samples_per_s"], ref["throughput_samples_per_s"])
   if member["samples_to_target"] is None or ref["samples_to_target"] is None:
     return dict(gain=gain, penalty=None, predicted_time_ratio=None, measured_time_ratio=None,
-                measured_time_ratio_ci=None, verdict="censored")
+                measured_time_ratio_ci=None, ci_paired=False, verdict="censored")
   penalty = _ratio(member["samples_to_target"], ref["samples_to_target"])
   measured = _ratio(member["time_to_target_s"], ref["time_to_target_s"])
-  ci = bootstrap.ratio_ci(_times(member), _times(ref))
+  times, ref_times = _times(member), _times(ref)
+  seeds = sorted(times)
+  paired = len(seeds) >= 2 and seeds == sorted(ref_times) and all(s["time_to_target_s"] is not None
+                                                                 for s in member["seeds"] + ref["seeds"])
+  ci = (bootstrap.ratio_ci([times[k] for k in seeds], [ref_times[k] for k in seeds], paired=True) if paired
+        else bootstrap.ratio_ci(list(times.values()), list(ref_times.values())))
   if member["member"] == ref["member"]:
     verdict = "reference"
   elif ci[1] < 1:
@@ -62,7 +69,7 @@ def decide(member: dict, ref: dict) -> dict:
   else:
     verdict = "indistinguishable"
   return dict(gain=gain, penalty=penalty, predicted_time_ratio=penalty / gain, measured_time_ratio=measured,
-              measured_time_ratio_ci=ci, verdict=verdict)
+              measured_time_ratio_ci=ci, ci_paired=paired, verdict=verdict)
 
 
 def staleness(summaries: list[dict]) -> list[dict]:

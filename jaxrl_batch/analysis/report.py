@@ -30,7 +30,8 @@ def decision_table(analysis: dict) -> str:
         f"| {m['member']}", seeds, _with_ci(m["samples_to_target"], m["samples_to_target_ci"]),
         _with_ci(m["time_to_target_s"], m["time_to_target_ci"]),
         _with_ci(m["throughput_samples_per_s"], m["throughput_ci"]), _ratio(m["gain"]), _ratio(m["penalty"]),
-        _ratio(m["predicted_time_ratio"]), _ratio_ci(m["measured_time_ratio"], m["measured_time_ratio_ci"]),
+        _ratio(m["predicted_time_ratio"]),
+        _ratio_ci(m["measured_time_ratio"], m["measured_time_ratio_ci"]) + (" p" if m.get("ci_paired") else ""),
         m["verdict"],
         _num(m["invariance_gap"], 2)]) + " |")
   return "\n".join(lines)
@@ -131,8 +132,8 @@ def render(analysis: dict) -> str:
       f"Metric: `{analysis['metric']}`. Reference member: {analysis['reference']}; smoothing: {analysis['smooth']} "
       f"evaluation point(s); invariance tolerance: {analysis['invariance_tol']}. Ratios are against the reference "
       "(measured < 1: faster). Verdicts are statistical: faster or slower only when the 90% bootstrap interval "
-      "of the measured time ratio (over both members' seeds) excludes 1, else indistinguishable. Censored: no "
-      "seed reached the target.",
+      "of the measured time ratio (over both members' seeds; marked p where paired by seed) excludes 1, else "
+      "indistinguishable. Censored: no seed reached the target.",
       decision_table(analysis),
       conclusion(analysis),
       *([staleness_section(analysis)] if analysis.get("staleness") else []),

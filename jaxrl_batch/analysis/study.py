@@ -25,7 +25,9 @@ DEFINITIONS = {
                  "[x, x] for one seed",
     "decision": "against the reference member: gain = R/R0, penalty = S/S0, predicted_time_ratio = penalty/gain, "
                 "measured_time_ratio = T/T0 with measured_time_ratio_ci, its 90% percentile bootstrap over both "
-                "members' seeds (resampled independently); verdict faster if that interval lies below 1, slower if "
+                "members' seeds: paired by seed (ci_paired; a seed fixes the warm start both share) when both "
+                "reached the target with the same >= 2 seeds and none censored, else resampled independently; "
+                "verdict faster if that interval lies below 1, slower if "
                 "above, indistinguishable if it contains 1; censored if either member never reached the target",
     "noise": "with --noise_run: that run's mean noise_scale (B_simple, rollouts; with rl.noise_split its "
              "noise_inter in prompts and noise_intra in rollouts) and per rule the predicted samples penalty "
