@@ -30,9 +30,11 @@ def current() -> str | None:
 
 @contextlib.contextmanager
 def scope(name: str):
-  """A named crossing: counted once; host<->device transfers inside it are allowed."""
-  _counts[name] += 1
+  """A named crossing: counted once; host<->device transfers inside it are allowed. A crossing inside another (the
+  engine's chunk crossings inside `eval`) is part of the outer one and not counted again."""
   outer = current()
+  if outer is None:
+    _counts[name] += 1
   _state.name = name
   try:
     with jax.transfer_guard("allow"):
