@@ -1,4 +1,4 @@
-"""The Colab demos run top to bottom in its reduced mode (code cells executed in order, shell lines skipped)."""
+"""The Colab demos run top to bottom in their reduced mode (code cells executed in order, shell lines skipped)."""
 import json
 import logging
 import os
@@ -6,40 +6,35 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
+def run_notebook(name: str, demo_dir, base_cache, monkeypatch) -> dict:
+  """Executes demos/`name`'s code cells in order in its reduced mode; returns the namespace they leave."""
   monkeypatch.chdir(ROOT)
-  monkeypatch.setenv("JAXRL_BATCH_DEMO_DIR", str(tmp_path / "study"))
+  monkeypatch.setenv("JAXRL_BATCH_DEMO_DIR", str(demo_dir))
   monkeypatch.setenv("JAXRL_BATCH_DEMO_BASE", base_cache)
   monkeypatch.delenv("JAXRL_BATCH_DEMO_FULL", raising=False)
-  with open(os.path.join(ROOT, "demos", "batch_family_study.ipynb")) as f:
+  with open(os.path.join(ROOT, "demos", name)) as f:
     notebook = json.load(f)
-  namespace = {}
-  for cell in notebook["cells"]:
-    if cell["cell_type"] == "code":
-      source = "".join(line for line in cell["source"] if not line.lstrip().startswith(("!", "%")))
-      exec(compile(source, "batch_family_study.ipynb", "exec"), namespace)
-  assert namespace["REDUCED"]
-  assert {m["member"] for m in namespace["analysis"]["members"]} == {"sqrt_b16", "sqrt_b32", "none_b16", "none_b32"}
-  assert os.path.exists(tmp_path / "study" / "report.md")
-
-
-def test_quickstart_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
-  monkeypatch.chdir(ROOT)
-  monkeypatch.setenv("JAXRL_BATCH_DEMO_DIR", str(tmp_path))
-  monkeypatch.setenv("JAXRL_BATCH_DEMO_BASE", base_cache)
-  monkeypatch.delenv("JAXRL_BATCH_DEMO_FULL", raising=False)
-  with open(os.path.join(ROOT, "demos", "quickstart.ipynb")) as f:
-    notebook = json.load(f)
-  absl_level = logging.getLogger("absl").level  # The notebook quiets absl's INFO lines; the suite gets them back.
+  absl_level = logging.getLogger("absl").level  # A notebook may quiet absl's INFO lines; the suite gets them back.
   namespace = {}
   try:
     for cell in notebook["cells"]:
       if cell["cell_type"] == "code":
         source = "".join(line for line in cell["source"] if not line.lstrip().startswith(("!", "%")))
-        exec(compile(source, "quickstart.ipynb", "exec"), namespace)
+        exec(compile(source, name, "exec"), namespace)
   finally:
     logging.getLogger("absl").setLevel(absl_level)
   assert namespace["REDUCED"]
+  return namespace
+
+
+def test_demo_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
+  namespace = run_notebook("batch_family_study.ipynb", tmp_path / "study", base_cache, monkeypatch)
+  assert {m["member"] for m in namespace["analysis"]["members"]} == {"sqrt_b16", "sqrt_b32", "none_b16", "none_b32"}
+  assert os.path.exists(tmp_path / "study" / "report.md")
+
+
+def test_quickstart_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
+  namespace = run_notebook("quickstart.ipynb", tmp_path, base_cache, monkeypatch)
   config, train_rows = namespace["config"], namespace["train_rows"]
   assert train_rows[-1]["samples"] == namespace["eval_rows"][-1]["samples"] == config.sample_budget
   before, after = namespace["before"], namespace["after"]  # samples.jsonl's rows of the first and the last step
@@ -51,18 +46,7 @@ def test_quickstart_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
 
 
 def test_reasoning_study_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
-  monkeypatch.chdir(ROOT)
-  monkeypatch.setenv("JAXRL_BATCH_DEMO_DIR", str(tmp_path))
-  monkeypatch.setenv("JAXRL_BATCH_DEMO_BASE", base_cache)
-  monkeypatch.delenv("JAXRL_BATCH_DEMO_FULL", raising=False)
-  with open(os.path.join(ROOT, "demos", "reasoning_study.ipynb")) as f:
-    notebook = json.load(f)
-  namespace = {}
-  for cell in notebook["cells"]:
-    if cell["cell_type"] == "code":
-      source = "".join(line for line in cell["source"] if not line.lstrip().startswith(("!", "%")))
-      exec(compile(source, "reasoning_study.ipynb", "exec"), namespace)
-  assert namespace["REDUCED"]
+  namespace = run_notebook("reasoning_study.ipynb", tmp_path, base_cache, monkeypatch)
   assert {m["member"] for m in namespace["analysis"]["members"]} == {"sqrt_b16", "sqrt_b32"}
   assert namespace["analysis"]["noise"]["noise_inter"] is not None  # the split's parts, from the noise run
   assert {m["member"] for m in namespace["by_group"]["members"]} == {"sqrt_b32"}

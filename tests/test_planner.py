@@ -113,5 +113,6 @@ def test_throughput_sweep_times_after_the_warmup_and_reruns_shorter_runs(tmp_pat
   assert _FakeTrainer.runs == [("b16", 64), ("b128", 512)] and old == {16: 8.0, 128: 64.0}
   assert sweep(**SWEEP) == {16: pytest.approx(16.0), 128: pytest.approx(128.0)}  # The 1 s steps only.
   assert _FakeTrainer.runs[2:] == [("b16", 70 * 16), ("b128", 14 * 128)]  # Both rerun, as the flags ask.
+  assert sorted(os.listdir(tmp_path)) == ["b128", "b128.budget512", "b16", "b16.budget64"]  # The old ones kept.
   assert sweep(**dict(SWEEP, min_samples=512)) == {16: pytest.approx(16.0), 128: pytest.approx(128.0)}
   assert len(_FakeTrainer.runs) == 4  # Finished runs at least that long are reused.

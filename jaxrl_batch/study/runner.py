@@ -11,7 +11,6 @@ import importlib.util
 import logging
 import math
 import os
-import shutil
 import time
 
 import ml_collections
@@ -139,6 +138,15 @@ def untimed_rows(cold: np.ndarray, warmup: int) -> np.ndarray:
   return np.convolve(cold, np.ones(warmup + 1), "full")[:len(cold)] > 0
 
 
+def _set_aside(run_dir: str, budget: int) -> str:
+  """Renames an older sweep run to `run_dir.budget<budget>[.k]` (nothing a run directory holds is erased)."""
+  kept, k = f"{run_dir}.budget{budget}", 1
+  while os.path.exists(kept):
+    kept, k = f"{run_dir}.budget{budget}.{k}", k + 1
+  os.rename(run_dir, kept)
+  return kept
+
+
 def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: str, steps: int,
                      overrides: list[str] = (), devices=None, warmup: int = 0, min_samples: int = 0
                      ) -> dict[int, float]:
@@ -148,7 +156,7 @@ def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: s
   `sweep_steps` steps in `workdir/b<B>/` with evaluation and checkpoints only at its ends. R is the analysis's
   (`clock.throughput`: rollout + reward + update seconds) over the timed rows: the first (compiling) step and the
   `warmup` steps after it, slower on XLA:CPU while the rarer shapes compile, are excluded. A finished run of at
-  least as many steps is reused; a shorter one (an older sweep) is deleted and rerun. `steps`, `warmup` and
+  least as many steps is reused; a shorter one (an older sweep) is moved to `b<B>.budget<N>` and rerun. `steps`, `warmup` and
   `min_samples` (samples) are those of `sweep_steps`; warmup = min_samples = 0 is the sweep of `steps` steps.
   """
   path, _, base_arg = config_path.partition(":")
@@ -167,9 +175,9 @@ def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: s
     if finished < member.sample_budget:
       saved = rundir.read_config(run_dir)
       if saved is not None and saved["config"]["sample_budget"] != member.sample_budget:
-        logging.warning("%s holds a sweep run of %d samples (budget %d); rerunning it to %d samples.", run_dir,
-                        finished, saved["config"]["sample_budget"], member.sample_budget)
-        shutil.rmtree(run_dir)
+        kept = _set_aside(run_dir, saved["config"]["sample_budget"])
+        logging.warning("%s held a sweep run of %d samples (budget %d): moved to %s; rerunning it to %d samples.",
+                        run_dir, finished, saved["config"]["sample_budget"], kept, member.sample_budget)
       Trainer(config, run_dir, devices=devices).run()
     run = runs.read_run(run_dir, name)
     if isinstance(run, str):
