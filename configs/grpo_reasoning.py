@@ -11,8 +11,9 @@ CPU (1M-parameter model):
     at 20% of the budget (still rising ~0.03 per 64 samples), 0.65 at 1643 samples (40%), 0.66 at 1754 (43%), 0.68
     at ~2090, a plateau of 0.71 from ~2500 (the warm start's skill on long operands); its gradient noise scale
     (B_simple, rollouts) moved between ~170 and ~3700 over the run;
-  - throughput (samples/s from the phase clock, 20 warm steps, digits_decay 0.7): B=16 48.5, B=32 74.6, B=64 87.0,
-    B=128 96.9, i.e. 2.0x from 16 to 128; the rollout's share of a step is 0.37, 0.33, 0.46, 0.44.
+  - throughput in the study (samples/s from the phase clock, sqrt members, 3 seeds): B=16 57.8, B=32 82.0, B=64
+    86.4, B=128 83.4 (91.0 and 94.3 under none and linear), i.e. 1.4-1.6x from 16 to 128; the rollout's share of a
+    step is 0.23, 0.33, 0.43, 0.44 (the README's "Measured" section has the study).
 Earlier variants, for the record: a warm start that is merely undertrained (160 SFT steps, 0.35) did not improve
 under RL at lr 2e-5 to 5e-5 and collapsed at 1.2e-4 and above; with the carry habit, lr 1.5e-5 and 5e-5 flip to
 0.72 within ~1000 and ~500 samples.

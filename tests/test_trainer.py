@@ -44,9 +44,16 @@ def read_rows(workdir):
     return [json.loads(line) for line in f]
 
 
-def test_run_writes_the_metrics_contract(tmp_path, base_cache):
-  workdir = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory, base_cache):
+  """The directory of one uninterrupted run of the debug member, shared by the tests that only read it."""
+  workdir = str(tmp_path_factory.mktemp("debug_run"))
   Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
+  return workdir
+
+
+def test_run_writes_the_metrics_contract(debug_run):
+  workdir = debug_run
   rows = read_rows(workdir)
   train = [r for r in rows if "reward_mean" in r]
   evals = [r for r in rows if "eval_accuracy" in r]
@@ -66,12 +73,11 @@ def test_run_writes_the_metrics_contract(tmp_path, base_cache):
   assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 6
 
 
-def test_a_run_stops_at_the_accuracy_it_reaches_and_stays_finished(tmp_path, base_cache):
+def test_a_run_stops_at_the_accuracy_it_reaches_and_stays_finished(tmp_path, base_cache, debug_run):
   """stop_at_accuracy at the debug member's third evaluation (the first above the base's): the run ends there with a
   checkpoint and the rows of the full run so far; a rerun trains nothing; the study and the analysis count it
   finished; a bar lifted to 0 resumes it to the budget."""
-  full = str(tmp_path / "full")
-  Trainer(debug_config(base_cache), full, devices=ONE_DEVICE).run()
+  full = debug_run
   accuracies = [r["eval_accuracy"] for r in read_rows(full) if "eval_accuracy" in r]
   assert accuracies[2] > max(accuracies[:2]), accuracies  # The member learns by 128 samples (its 4th step).
   stopped = str(tmp_path / "stopped")
@@ -90,10 +96,13 @@ def test_a_run_stops_at_the_accuracy_it_reaches_and_stays_finished(tmp_path, bas
   assert [r["samples"] for r in read_rows(stopped) if "eval_accuracy" in r] == [0, 64, 128, 192]
 
 
-def _straight_and_resumed(tmp_path, monkeypatch, config):
-  """Rows of an uninterrupted run of `config()` and of one killed at step 3, then rerun to the end."""
-  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  Trainer(config(), straight, devices=ONE_DEVICE).run()
+def _straight_and_resumed(tmp_path, monkeypatch, config, straight=None):
+  """Rows of an uninterrupted run of `config()` (or of the run in `straight`) and of one killed at step 3, then rerun
+  to the end."""
+  resumed = str(tmp_path / "resumed")
+  if straight is None:
+    straight = str(tmp_path / "straight")
+    Trainer(config(), straight, devices=ONE_DEVICE).run()
   original = Trainer._train_step
   def crash_at_step_3(self, state, step):
     if step == 3:
@@ -112,8 +121,9 @@ def _straight_and_resumed(tmp_path, monkeypatch, config):
     (grpo_arith, {}),
     (ppo_arith, {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}),
 ], ids=["grpo", "ppo_adaptive_kl_dynamic_sampling"])
-def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, module, overrides):
-  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, **overrides))
+def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, module, overrides, debug_run):
+  shared = debug_run if module is grpo_arith and not overrides else None  # the uninterrupted debug member
+  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, **overrides), shared)
   train = [r for r in a if "reward_mean" in r]
   assert all(r["reward_mean"] > 0 for r in train)  # it learns: a resume that lost run state would change the rows
   # The first training row of each session includes compilation; the analysis leaves its seconds out.
