@@ -2,7 +2,9 @@
 
 Every compiled XLA:CPU executable holds memory mappings until its cache entry goes; the whole suite in one process
 compiles enough of them to reach Linux's default vm.max_map_count (65,530), where the next compile segfaults. Each
-test module therefore ends by dropping JAX's caches (the next module recompiles what it needs).
+test module therefore ends by dropping JAX's caches (the next module recompiles what it needs). Under pytest-xdist
+(`-n 2`, the README's command) each worker has its own base cache and tmp paths; the workers share the compilation
+cache, whose directory the controlling process sets before it starts them.
 """
 import atexit
 import gc
