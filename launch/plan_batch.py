@@ -5,9 +5,9 @@ r"""Recommends a batch size: T(B) = S(B) / R(B) from a throughput sweep and the 
       --batches=32,64,128,256,512,1024 --learn_batches=64,256
 
 The sweep trains each batch's member (built as launch.study builds it: batch=B,lr_rule=RULE,seed=0) in
-WORKDIR/throughput/b<B>/ (resumable; a run shorter than these flags ask for is rerun) for the compiling step,
---warmup steps, then max(--steps - 1, --min_samples / B) timed steps, whose R is measured as the analysis measures
-it; S(B) = S_min (1 + B / B_noise) is fitted to the rule's synchronous members in WORKDIR/analysis.json (only
+WORKDIR/throughput/b<B>/ (resumable; a run shorter than these flags ask for is moved aside and rerun) for the
+compiling step, --warmup steps, then max(--steps - 1, --min_samples / B) timed steps, whose R is measured as the
+analysis measures it (--repeats rounds of all batches, pooled, in b<B>.r<k>/ after the first); S(B) = S_min (1 + B / B_noise) is fitted to the rule's synchronous members in WORKDIR/analysis.json (only
 those at --learn_batches, if given, so that the others test the prediction). Writes WORKDIR/plan.json and
 WORKDIR/plan.md (predicted vs measured T and its error).
 """
@@ -28,6 +28,8 @@ flags.DEFINE_integer("steps", 4, "Training steps per swept batch besides the war
                      "timed).")
 flags.DEFINE_integer("warmup", 5, "Untimed steps after the compiling one (XLA:CPU still compiles rarer shapes).")
 flags.DEFINE_integer("min_samples", 1024, "Timed samples per swept batch at least: small batches run more steps.")
+flags.DEFINE_integer("repeats", 1, "Rounds of the sweep (each batch once per round, pooled): more rounds average "
+                     "out the drift of a shared machine.")
 flags.DEFINE_list("learn_batches", [], "Batches whose members the S(B) fit uses (default: every member that reached "
                   "the target).")
 flags.DEFINE_multi_string("set", [], "key=value override applied to every swept run (as in launch.study).")
@@ -48,9 +50,9 @@ def main(argv):
               for m in analysis["members"] if m["rule"] == FLAGS.rule and not m.get("staleness")}
   swept = throughput_sweep(FLAGS.config, os.path.join(FLAGS.workdir, "throughput"),
                            [int(b) for b in FLAGS.batches], FLAGS.rule, FLAGS.steps, FLAGS.set,
-                           warmup=FLAGS.warmup, min_samples=FLAGS.min_samples)
+                           warmup=FLAGS.warmup, min_samples=FLAGS.min_samples, repeats=FLAGS.repeats)
   learn = [int(b) for b in FLAGS.learn_batches] or None
-  sweep = dict(steps=FLAGS.steps, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples)
+  sweep = dict(steps=FLAGS.steps, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples, repeats=FLAGS.repeats)
   result = dict(planner.plan(swept, measured, learn), rule=FLAGS.rule, target=analysis["target"], sweep=sweep)
   with open(os.path.join(FLAGS.workdir, "plan.json"), "w") as f:
     json.dump(result, f, indent=2)

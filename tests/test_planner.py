@@ -37,7 +37,9 @@ def test_plan_predicts_time_and_recommends_the_minimum():
   assert {r["batch"]: r["measured_time_to_target_s"] for r in result["rows"]}[64] == 13.0
   table = planner.render(dict(result, rule="sqrt", target=0.9, sweep=SWEEP))
   assert "| 64 | 100.0 | 1250 | 12.50 | 13.00 | -3.8% | yes |" in table and "Recommended batch: 256" in table
-  assert ">= 3 timed steps and >= 1024 samples per batch, after the compiling step and 5 warm-up" in table
+  assert ">= 3 timed steps and >= 1024 samples per batch, after the compiling step and 5 warm-up steps." in table
+  assert "5 warm-up steps; 2 rounds pooled." in planner.render(dict(result, rule="sqrt", target=0.9,
+                                                                   sweep=dict(SWEEP, repeats=2)))
 
 
 def test_plan_fits_only_the_learn_batches_and_reports_the_error():
@@ -82,7 +84,8 @@ def test_untimed_rows_are_each_cold_row_and_its_warmup():
 
 
 class _FakeTrainer:
-  """Writes the config.json and metrics.jsonl of a sweep run: 10 s compiling, 2 s per warm-up step, then 1 s."""
+  """Writes the config.json and metrics.jsonl of a sweep run: 10 s compiling, 2 s per warm-up step, then 1 s (3 s in
+  a second round's run, `b<B>.r1`)."""
   runs = []
 
   def __init__(self, config, run_dir, devices=None):
@@ -97,8 +100,9 @@ class _FakeTrainer:
                                  optim=dict(lr_rule=c.optim.lr_rule))), f)
     steps = c.sample_budget // c.batch_size
     rows = [dict(step=0, samples=0, eval_accuracy=0.0)]
+    steady = 3.0 if run_dir.endswith(".r1") else 1.0  # A second round on a slower machine.
     rows += [dict(step=i, samples=i * c.batch_size, reward_mean=0.0, rollout_s=10.0 if i == 1 else 2.0 if i <= 6
-                  else 1.0, reward_s=0.0, update_s=0.0, cold=i == 1) for i in range(1, steps + 1)]
+                  else steady, reward_s=0.0, update_s=0.0, cold=i == 1) for i in range(1, steps + 1)]
     rows.append(dict(step=steps, samples=steps * c.batch_size, eval_accuracy=0.0))
     with open(rundir.metrics_path(run_dir), "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -116,3 +120,7 @@ def test_throughput_sweep_times_after_the_warmup_and_reruns_shorter_runs(tmp_pat
   assert sorted(os.listdir(tmp_path)) == ["b128", "b128.budget512", "b16", "b16.budget64"]  # The old ones kept.
   assert sweep(**dict(SWEEP, min_samples=512)) == {16: pytest.approx(16.0), 128: pytest.approx(128.0)}
   assert len(_FakeTrainer.runs) == 4  # Finished runs at least that long are reused.
+  # Two rounds: the first round's runs are reused, the second's (3 s steps) run after them; each batch pools both,
+  # total samples over total seconds: 2 steps' samples in 1 + 3 s.
+  assert sweep(**SWEEP, repeats=2) == {16: pytest.approx(8.0), 128: pytest.approx(64.0)}
+  assert _FakeTrainer.runs[4:] == [("b16.r1", 70 * 16), ("b128.r1", 14 * 128)]

@@ -77,7 +77,8 @@ def render(result: dict) -> str:
            f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to target, fitted to the members "
            f"at B = {', '.join(map(str, result['learn_batches']))}.",
            f"R(B) from >= {sweep['steps'] - 1} timed steps and >= {sweep['min_samples']} samples per batch, after the "
-           f"compiling step and {sweep['warmup']} warm-up steps.", "",
+           f"compiling step and {sweep['warmup']} warm-up steps"
+           + (f"; {sweep['repeats']} rounds pooled." if sweep.get("repeats", 1) > 1 else "."), "",
            "| batch | R samples/s | S predicted | T predicted s | T measured s | error | fitted |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
   for r in result["rows"]:

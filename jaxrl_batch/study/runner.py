@@ -148,17 +148,21 @@ def _set_aside(run_dir: str, budget: int) -> str:
 
 
 def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: str, steps: int,
-                     overrides: list[str] = (), devices=None, warmup: int = 0, min_samples: int = 0
-                     ) -> dict[int, float]:
-  """Measured samples/s at each batch from a short training run (no training to target); {batch: R}.
+                     overrides: list[str] = (), devices=None, warmup: int = 0, min_samples: int = 0,
+                     repeats: int = 1) -> dict[int, float]:
+  """Measured samples/s at each batch from short training runs (no training to target); {batch: R}.
 
   Each batch is the member dict(batch=B, lr_rule=rule, seed=0) of a study (its engine, packing and lengths), run for
   `sweep_steps` steps in `workdir/b<B>/` with evaluation and checkpoints only at its ends. R is the analysis's
   (`clock.throughput`: rollout + reward + update seconds) over the timed rows: the first (compiling) step and the
-  `warmup` steps after it, slower on XLA:CPU while the rarer shapes compile, are excluded. A finished run of at
-  least as many steps is reused; a shorter one (an older sweep) is moved to `b<B>.budget<N>` and rerun. `steps`, `warmup` and
+  `warmup` steps after it, slower on XLA:CPU while the rarer shapes compile, are excluded. `repeats` > 1 runs the
+  batches again, round after round (`b<B>.r<k>/`, the same tokens), and pools each batch's rounds (total samples
+  over total seconds), so drift of a shared machine falls on every batch alike. A finished run of at least as many
+  steps is reused; a shorter one (an older sweep) is moved to `b<B>.budget<N>` and rerun. `steps`, `warmup` and
   `min_samples` (samples) are those of `sweep_steps`; warmup = min_samples = 0 is the sweep of `steps` steps.
   """
+  if repeats < 1:
+    raise ValueError(f"repeats={repeats}: the sweep runs each batch at least once.")
   path, _, base_arg = config_path.partition(":")
   module = load_config_module(path)
   fields = [dict(batch=b, lr_rule=rule, seed=0) for b in batches]
@@ -167,21 +171,28 @@ def throughput_sweep(config_path: str, workdir: str, batches: list[int], rule: s
   configs = [member_config(module, base_arg, f, [*overrides, f"sample_budget={budget}", *short])
              for f, budget in zip(fields, budgets)]
   todo = [(derive(c, f, devices), c) for c, f in zip(configs, fields)]
-  rates = {}
-  for member, config in todo:
-    name = f"b{member.batch_size}"
-    run_dir = os.path.join(workdir, name)
-    finished = rundir.finished_samples(run_dir)
-    if finished < member.sample_budget:
-      saved = rundir.read_config(run_dir)
-      if saved is not None and saved["config"]["sample_budget"] != member.sample_budget:
-        kept = _set_aside(run_dir, saved["config"]["sample_budget"])
-        logging.warning("%s held a sweep run of %d samples (budget %d): moved to %s; rerunning it to %d samples.",
-                        run_dir, finished, saved["config"]["sample_budget"], kept, member.sample_budget)
-      Trainer(config, run_dir, devices=devices).run()
-    run = runs.read_run(run_dir, name)
-    if isinstance(run, str):
-      raise ValueError(f"Throughput run {run_dir} is not analysable: {run}.")
-    rates[member.batch_size] = clock.throughput(run.train_samples, run.phase_s, untimed_rows(run.cold, warmup))
-    logging.info("Throughput at batch %d: %.1f samples/s.", member.batch_size, rates[member.batch_size])
-  return rates
+  rounds = {member.batch_size: [] for member, _ in todo}
+  for k in range(repeats):
+    for member, config in todo:
+      name = f"b{member.batch_size}" + (f".r{k}" if k else "")
+      rate = _sweep_run(os.path.join(workdir, name), name, member, config, devices, warmup)
+      rounds[member.batch_size].append(rate)
+      logging.info("Throughput at batch %d (round %d of %d): %.1f samples/s.", member.batch_size, k + 1, repeats,
+                   rate)
+  return {batch: len(rates) / sum(1 / r for r in rates) for batch, rates in rounds.items()}
+
+
+def _sweep_run(run_dir: str, name: str, member, config, devices, warmup: int) -> float:
+  """R of one sweep run in `run_dir`, trained first unless a finished run of its budget is there."""
+  finished = rundir.finished_samples(run_dir)
+  if finished < member.sample_budget:
+    saved = rundir.read_config(run_dir)
+    if saved is not None and saved["config"]["sample_budget"] != member.sample_budget:
+      kept = _set_aside(run_dir, saved["config"]["sample_budget"])
+      logging.warning("%s held a sweep run of %d samples (budget %d): moved to %s; rerunning it to %d samples.",
+                      run_dir, finished, saved["config"]["sample_budget"], kept, member.sample_budget)
+    Trainer(config, run_dir, devices=devices).run()
+  run = runs.read_run(run_dir, name)
+  if isinstance(run, str):
+    raise ValueError(f"Throughput run {run_dir} is not analysable: {run}.")
+  return clock.throughput(run.train_samples, run.phase_s, untimed_rows(run.cold, warmup))
