@@ -7,9 +7,10 @@ r"""Recommends a batch size: T(B) = S(B) / R(B) from a throughput sweep and the 
 The sweep trains each batch's member (built as launch.study builds it: batch=B,lr_rule=RULE,seed=0) in
 WORKDIR/throughput/b<B>/ (resumable; a run shorter than these flags ask for is moved aside and rerun) for the
 compiling step, --warmup steps, then max(--steps - 1, --min_samples / B) timed steps, whose R is measured as the
-analysis measures it (--repeats rounds of all batches, pooled, in b<B>.r<k>/ after the first); S(B) = S_min (1 + B / B_noise) is fitted to the rule's synchronous members in WORKDIR/analysis.json (only
-those at --learn_batches, if given, so that the others test the prediction). Writes WORKDIR/plan.json and
-WORKDIR/plan.md (predicted vs measured T and its error).
+analysis measures it (--repeats rounds of all batches, pooled, in b<B>.r<k>/ after the first); S(B) = S_min (1 +
+B / B_noise) is fitted to the rule's synchronous members in WORKDIR/analysis.json (only those at --learn_batches,
+if given, so that the others test the prediction). Writes WORKDIR/plan.json and WORKDIR/plan.md (predicted vs
+measured T and its error).
 """
 import json
 import os
