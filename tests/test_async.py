@@ -77,6 +77,34 @@ def test_streamed_rewards_are_the_rewards_of_the_rollout(tmp_path, base_cache):
     trainer.exp.scorer.close()
 
 
+def test_a_reward_that_hangs_for_good_stops_the_run_with_an_error_and_a_rerun_resumes(tmp_path, base_cache):
+  """Past scorer.max_hung abandoned threads still running, the run stops with the error (here in step 2, whose
+  rewards hang), and a rerun with a reward that returns resumes the run directory."""
+  workdir = str(tmp_path / "run")
+  config = lambda: debug_config(base_cache, sample_budget=64, **{"task.reward_timeout_s": 0.05})
+  trainer = Trainer(config(), workdir, devices=ONE_DEVICE)
+  original, release = trainer.exp.task.reward, threading.Event()
+  held_out = {id(p) for p in trainer.exp.task.eval_problems()}
+
+  def hanging(completion, problem):
+    if id(problem) not in held_out:
+      release.wait()
+    return original(completion, problem)
+  trainer.exp.task.reward = hanging
+  trainer.exp.scorer.max_hung = 40  # The first step's 32 hung threads pass; the second step's do not.
+  try:
+    with pytest.raises(RuntimeError, match=r"reward threads are still running past task.reward_timeout_s=0.05 s "
+                                           r"\(at most 40 are tolerated\): the reward function hangs"):
+      trainer.run()
+  finally:
+    release.set()
+  # Step 1's row was due with step 2's (metrics come down one step late) and no checkpoint was due yet: the run
+  # directory holds the base evaluation only, and a rerun with a reward that returns trains from there.
+  assert [r["step"] for r in rundir.read_metrics(workdir)] == [0]
+  Trainer(config(), workdir, devices=ONE_DEVICE).run()
+  assert [r["step"] for r in rundir.read_metrics(workdir) if "reward_mean" in r] == [1, 2]
+
+
 def test_a_reward_past_its_timeout_scores_0_is_counted_and_does_not_stall_the_run(tmp_path, base_cache):
   workdir = str(tmp_path / "run")
   trainer = Trainer(debug_config(base_cache, sample_budget=64, **STREAMED, **{"task.reward_timeout_s": 0.2}), workdir,

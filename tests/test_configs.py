@@ -92,6 +92,26 @@ def test_reward_errors_and_timeouts_are_counted_not_raised():
   scorer.close()
 
 
+def test_a_reward_that_hangs_for_good_stops_scoring_with_an_error_past_max_hung():
+  release = threading.Event()
+  def reward(completion, problem):
+    if completion == "hang":
+      release.wait()
+    return 1.0
+  scorer = RewardScorer(reward, workers=1, timeout_s=0.1, max_hung=2)
+  assert scorer.score(["hang", "hang", "ok"], [None] * 3).rewards_B.tolist() == [0.0, 0.0, 1.0]
+  assert (scorer.abandoned, scorer.hung, scorer.failure) == (2, 2, None)  # Two hung threads are tolerated.
+  with pytest.raises(RuntimeError, match=r"3 reward threads are still running past task.reward_timeout_s=0.1 s "
+                                         r"\(at most 2 are tolerated\): the reward function hangs"):
+    scorer.score(["hang", "ok"], [None] * 2)
+  release.set()  # The hung calls return at last: their threads end and are no longer counted.
+  deadline = time.monotonic() + 5
+  while scorer.hung and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert scorer.hung == 0 and scorer.abandoned == 3
+  scorer.close()
+
+
 def test_rewards_arrive_in_parts_and_keep_their_order():
   scorer = RewardScorer(lambda completion, problem: float(completion), workers=3)
   batch = scorer.batch(list(range(5)))

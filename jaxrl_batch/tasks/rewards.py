@@ -2,8 +2,9 @@
 
 A reward function that raises, returns a non-finite value or runs past `timeout_s` scores 0 for that sample, and
 is counted (`Scores.errors`, `Scores.timeouts`). Python cannot stop a thread: a worker whose reward runs past the
-timeout is abandoned (its late result is dropped) and a fresh worker takes its place, so a hanging verifier costs a
-thread, never the run.
+timeout is abandoned (its late result is dropped) and a fresh worker takes its place, so a slow verifier costs a
+thread, never the run. A verifier that hangs for good would leak threads without end: past `max_hung` abandoned
+threads still running, the next result raises an error that says so.
 
 A `RewardScorer` is long-lived (one per run); each set of B samples is a `ScoringBatch`: its completions arrive in
 parts (`submit`, e.g. as the rollout engine finishes sequences) as thunks that are decoded on the scorer's decoder
@@ -53,6 +54,7 @@ class _Worker:
   job: _Job | None = None
   started: float = 0.0
   abandoned: bool = False
+  timed_out: bool = False
 
 
 class ScoringBatch:
@@ -83,8 +85,10 @@ class ScoringBatch:
       raise ValueError(f"{int((~self._submitted).sum())} of {len(self.problems)} samples were never submitted.")
     scorer = self._scorer
     with scorer._lock:
-      while not self._done.all() and self.decode_error is None:
+      while not self._done.all() and self.decode_error is None and scorer.failure is None:
         scorer._done.wait()
+    if scorer.failure is not None:
+      raise RuntimeError(scorer.failure)
     if self.decode_error is not None:
       raise RuntimeError("Decoding completions for scoring failed") from self.decode_error
     return Scores(self._rewards.copy(), self.errors, self.timeouts, self.first_error, list(self._completions))
@@ -102,10 +106,11 @@ class ScoringBatch:
 
 class RewardScorer:
   """Scores completions with `reward(completion, problem) -> float` on `workers` daemon threads; timeout_s 0 = none.
-  `stream`: whether a rollout engine should hand it responses as they end (read by the collector)."""
+  `stream`: whether a rollout engine should hand it responses as they end (read by the collector). `max_hung`:
+  abandoned threads still running that it tolerates; one more makes every `result()` raise (`failure`)."""
 
   def __init__(self, reward: Callable[[str, object], float], workers: int = 1, timeout_s: float = 0.0,
-               stream: bool = True):
+               stream: bool = True, max_hung: int = 64):
     if not (isinstance(workers, int) and workers >= 1):
       raise ValueError(f"task.reward_workers={workers!r}: threads scoring rewards, an integer >= 1.")
     if not (isinstance(timeout_s, int | float) and timeout_s >= 0):
@@ -120,7 +125,9 @@ class RewardScorer:
     self._workers: list[_Worker] = []
     self._decode_queue: queue.SimpleQueue = queue.SimpleQueue()
     self._open = False
-    self.abandoned = 0
+    self.abandoned = 0  # threads abandoned past the timeout, ever
+    self.hung, self.max_hung = 0, max_hung  # of those, the ones still running
+    self.failure: str | None = None
 
   def batch(self, problems: Sequence) -> ScoringBatch:
     """A new set of samples to score (starts the threads on first use, or after `close`)."""
@@ -189,7 +196,9 @@ class RewardScorer:
         worker.job, worker.started = job, time.monotonic()
       value, error = self._call(job)
       with self._lock:
-        if worker.abandoned:  # timed out: scored 0 already, and replaced
+        if worker.abandoned:  # timed out (scored 0 already, and replaced) or closed
+          if worker.timed_out:
+            self.hung -= 1
           return
         worker.job = None
         job.batch._record(job.index, value, error)
@@ -222,12 +231,20 @@ class RewardScorer:
     for worker in list(self._workers):
       if worker.job is None or worker.started + self.timeout_s > now:
         continue
-      worker.abandoned = True
+      worker.abandoned = worker.timed_out = True
       self._workers.remove(worker)
       self.abandoned += 1
+      self.hung += 1
       worker.job.batch._record(worker.job.index, 0.0, f"the reward function ran past task.reward_timeout_s="
                                f"{self.timeout_s:g} s", timed_out=True)
-      logging.warning("A reward ran past task.reward_timeout_s=%g s: scored 0, its thread abandoned (%d so far); "
-                      "raise the timeout if the verifier is just slow.", self.timeout_s, self.abandoned)
-      self._spawn()
+      logging.warning("A reward ran past task.reward_timeout_s=%g s: scored 0, its thread abandoned (%d so far, %d "
+                      "still running); raise the timeout if the verifier is just slow.", self.timeout_s,
+                      self.abandoned, self.hung)
+      if self.hung > self.max_hung and self.failure is None:
+        self.failure = (f"{self.hung} reward threads are still running past task.reward_timeout_s="
+                        f"{self.timeout_s:g} s (at most {self.max_hung} are tolerated): the reward function hangs on "
+                        f"some completions (e.g. {worker.job.completion[:80]!r}) rather than running slowly. Make it "
+                        "return (or raise) within the timeout, then rerun: the run resumes from its last checkpoint.")
+      if self.failure is None:  # Once failed, no more threads for it to hang.
+        self._spawn()
       self._done.notify_all()
