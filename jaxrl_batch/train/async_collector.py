@@ -7,7 +7,8 @@ disjoint devices), generation and update run at once, the policy is resharded on
 published and the rollouts copied to the learner's when done; in a process of its own (`rollout_mesh.process_cores`,
 `train.generator_process`), the weights are shipped to it as host arrays and the rollouts come back the same way.
 Step s's rollouts were therefore sampled by the policy of step s - k (of step 0 for the first k steps): its policy
-lag is min(s, k) steps, or that many times B rollouts (`policy_lag_samples_mean`). k = 0 is the synchronous loop (`train.collector.Collector`, no thread).
+lag is min(s, k) steps, or that many times B rollouts (`policy_lag_samples_mean`). k = 0 is the synchronous loop
+(`train.collector.Collector`, no thread).
 
 The rollouts in flight (steps s+1 .. s+k at a checkpoint after step s) and the policy version that sampled each are
 run state (`state_dict`): a resumed run trains on the very rollouts the uninterrupted one did. The learner corrects
