@@ -14,9 +14,11 @@ needs no skill). Every run's learner has the same devices: all but the most any 
 has rl.max_staleness=k on those (colocated); `k@n` adds the last n devices for generation
 (`rollout_mesh.devices=n`); `+key=value` suffixes are overrides of that run alone. --reward_ms adds a sleep to
 every reward call (a verifier's latency; a sleep releases the GIL as a subprocess or a remote verifier does).
-Reports per run the mean step time over the steps after the first 2 + k (compilation, and the steps whose
-generation waited on it), its rollout / reward / update seconds, `overlap_frac`, the learner's and the generator's
-waits, and the step time's ratio to the first run. Writes --out (JSON) and prints the table.
+Reports per run the median step time over the steps after the first 2 + k (compilation, and the steps whose
+generation waited on it; a median, since a program compiled later, for a prompt or refill shape first met then,
+falls in one run's timed steps and not another's), its mean, the medians of the rollout / reward / update seconds,
+`overlap_frac` and the learner's and the generator's waits, the mean response length (equal lengths: equal work),
+and the step time's ratio to the first run. Writes --out (JSON) and prints the table.
 """
 import json
 import os
@@ -37,7 +39,7 @@ flags.DEFINE_string("config", "configs/grpo_arith.py", "Config file (`path.py:ar
 flags.DEFINE_list("runs", ["0", "1"], "rl.max_staleness per run, `k@n` with n rollout devices, `+key=value` "
                   "overrides of that run; the first is the reference.")
 flags.DEFINE_float("reward_ms", 0.0, "Milliseconds every reward call sleeps (a verifier's latency).")
-flags.DEFINE_integer("steps", 12, "Steps per run (the first two are left out of the means).")
+flags.DEFINE_integer("steps", 12, "Steps per run (the first 2 + k are left out of the statistics).")
 flags.DEFINE_list("set", [], "Config overrides key=value, applied to every run.")
 flags.DEFINE_string("out", "bench_async.json", "Output JSON path.")
 flags.DEFINE_string("workdir", None, "Where the runs go (default: a temporary directory).")
@@ -71,8 +73,9 @@ def measure(workdir: str, run: str, learner_devices: list) -> dict:
   skip = WARMUP_STEPS + c.rl.max_staleness
   walls = np.diff([0.0] + [r["wall_s"] for r in rows])[skip:]
   timed = rows[skip:]
-  out = dict(run=run, steps=len(rows), step_s=float(walls.mean()))
-  out.update({k: float(np.mean([r.get(k, 0.0) for r in timed])) for k in FIELDS})
+  out = dict(run=run, steps=len(rows), step_s=float(np.median(walls)), step_s_mean=float(walls.mean()),
+             response_len_mean=float(np.mean([r["response_len_mean"] for r in timed])))
+  out.update({k: float(np.median([r.get(k, 0.0) for r in timed])) for k in FIELDS})
   return out
 
 
@@ -90,8 +93,10 @@ def main(argv):
   with open(FLAGS.out, "w") as f:
     json.dump(report, f, indent=2)
   width = max(len(r["run"]) for r in results)
-  header = f"{'run':>{width}} {'step_s':>8} {'ratio':>6} " + " ".join(f"{k:>14}" for k in FIELDS)
+  header = (f"{'run':>{width}} {'step_s':>8} {'ratio':>6} {'mean_s':>8} {'resp_len':>8} "
+            + " ".join(f"{k:>14}" for k in FIELDS))
   lines = [header] + [f"{r['run']:>{width}} {r['step_s']:>8.3f} {r['step_ratio_vs_first']:>6.2f} "
+                      f"{r['step_s_mean']:>8.3f} {r['response_len_mean']:>8.1f} "
                       + " ".join(f"{r[k]:>14.3f}" for k in FIELDS) for r in results]
   logging.info("Wrote %s\n%s", FLAGS.out, "\n".join(lines))
 

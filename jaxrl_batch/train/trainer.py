@@ -195,6 +195,14 @@ class Trainer:
     self._warn_if_uniform(row)
     self.metrics.write(row)
 
+  def _flush_after_error(self) -> None:
+    """Writes the last completed step's row (fetched one step late) when a later step fails, so that the run
+    directory shows how far the run got; a failure to fetch it is logged, not raised over the first error."""
+    try:
+      self._flush()
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("The row of the last completed step could not be written: %s", e)
+
   def _warn_if_uniform(self, row: dict) -> None:
     """Warns, once per process, when the policy's mean token entropy is within 5% of ln V (V = vocabulary rows): a
     policy collapsed to uniform, which samples noise and rarely recovers; a learning rate far too high does this."""
@@ -302,6 +310,9 @@ class Trainer:
         state, progress = self.start()
         try:
           return self.loop(state, progress, signals)
+        except Exception:
+          self._flush_after_error()
+          raise
         finally:
           if isinstance(self.collector, AsyncCollector):
             self.collector.close()
