@@ -85,6 +85,10 @@ def main(argv):
   workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="bench_async_")
   most = max(int(run.split("+")[0].partition("@")[2] or 0) for run in FLAGS.runs)
   learner_devices = jax.devices()[:jax.device_count() - most]
+  if len(learner_devices) > 1 and any("process_cores" in run for run in FLAGS.runs):
+    logging.warning("Every learner runs sharded over %d devices (all but the most a `k@n` run gives to generation), "
+                    "the generator process on one: add a `1@%d` run for one learner device.", len(learner_devices),
+                    jax.device_count() - 1)
   results = [measure(workdir, run, learner_devices) for run in FLAGS.runs]
   for r in results:
     r["step_ratio_vs_first"] = r["step_s"] / results[0]["step_s"]
