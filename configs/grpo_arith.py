@@ -72,6 +72,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       tie_embeddings=True,  # Share the embedding table with the output head.
       dtype="float32",  # Activations ("float32" | "bfloat16").
       param_dtype="float32",  # Parameters.
+      logits_chunk=1024,  # Positions whose float32 logits exist at once in training and scoring (0 = all).
+      remat="none",  # What a block keeps for the backward pass: "none" | "block" | "dots" (recompute the rest).
+      attention="auto",  # Uncached forward: auto (CPU dense, TPU splash, GPU flash_gpu) | dense | splash | flash_gpu.
   ))
 
   # Device mesh (runtime.sharding.make_mesh); -1 takes the rest. `expert` splits MoE experts (and the batch).
@@ -94,6 +97,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Rollouts per forward/backward (gradient accumulation; 0 = the whole mini-batch). With >= 2 micro-batches per
   # update the trainer also logs the gradient noise scale B_simple (`noise_scale`).
   c.micro_batch_size = 32
+  # Rollouts per forward when scoring a step's batch (the trainer's old log-probs, the reference's, the critic's old
+  # values): forward only, no activations kept for a backward pass, so it may exceed micro_batch_size. 0 = the whole
+  # batch in one forward.
+  c.score_micro_batch_size = 0
   # > 0: pack sequences (padding stripped) into micro-batches of about this many tokens instead: rows of
   # prompt_len + response_len tokens, micro_batch_tokens // that rows each, as many micro-batches as the tokens
   # fill (a forward's cost follows the tokens). Every forward packs: the update, trainer log-probs, the reference,

@@ -102,7 +102,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tokenizer_path = SAMPLE_TOKENIZER if tiny else ""  # "" with init_from: the checkpoint's tokenizer.json.
   c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.
   c.chat_template = "none" if tiny else "auto"  # Prompt wrapping: auto (from the tokenizer) | none | chatml | ...
-  c.model = ml_collections.ConfigDict(MODELS[arg.model])
+  memory = dict(logits_chunk=c.model.logits_chunk, remat=c.model.remat)  # grpo_arith's memory settings.
+  c.model = ml_collections.ConfigDict(dict(MODELS[arg.model], **memory))
   c.mesh = ml_collections.ConfigDict(sharding.mesh_sizes(arg.mesh or MESHES.get(arg.model, DEFAULT_MESH)))
   c.sharding_rules = sharding.DEFAULT_RULES
 

@@ -139,6 +139,8 @@ class Member:
     mini_batch_size: rollouts per optimizer update (B / rl.mini_batches).
     micro_batch_size: rollouts per forward/backward (divides mini_batch_size).
     num_micro: micro-batches per update (gradient accumulation steps).
+    score_num_micro: forwards that score a step's batch (old and reference log-probs, old values): batch_size /
+      config.score_micro_batch_size (1 for 0).
     sample_budget: samples the run trains on.
     total_steps: rollout steps to reach the budget (exact unless rows are dropped from the loss).
     actor_lr, actor_adam: the actor's peak lr (with its derivation) and Adam's (beta1, beta2, eps).
@@ -161,6 +163,7 @@ class Member:
   critic_lr: LearningRate | None
   critic_adam: tuple[float, float, float] | None
   batch_derivation: str
+  score_num_micro: int = 1
 
   @property
   def rule(self) -> str:
@@ -189,7 +192,8 @@ class Member:
     """The member's fields of config.json["derived"]."""
     out = dict(family_axis=self.family_axis, batch_size=self.batch_size, num_prompts=self.num_prompts,
                group_size=self.group_size, mini_batch_size=self.mini_batch_size,
-               micro_batch_size=self.micro_batch_size, num_micro=self.num_micro, total_steps=self.total_steps,
+               micro_batch_size=self.micro_batch_size, num_micro=self.num_micro,
+               score_num_micro=self.score_num_micro, total_steps=self.total_steps,
                batch_derivation=self.batch_derivation, lr=self.actor_lr.lr, lr_derivation=self.actor_lr.describe(),
                lr_overridden=self.actor_lr.overridden, adam_b1_b2_eps=self.actor_adam)
     if self.critic_lr is not None:
@@ -242,6 +246,11 @@ def member(config, data_parallel: int = 1) -> Member:
     raise ValueError(f"micro_batch_size={config.micro_batch_size} must divide the mini-batch (batch_size / "
                      f"rl.mini_batches = {mini}) and be divisible by the data-parallel device count {data_parallel};"
                      " 0 uses the whole mini-batch.")
+  score_micro = config.get("score_micro_batch_size", 0) or b
+  if score_micro < 0 or b % score_micro or score_micro % data_parallel:
+    raise ValueError(f"score_micro_batch_size={config.get('score_micro_batch_size')} must divide batch_size={b} and "
+                     f"be divisible by the data-parallel device count {data_parallel}; 0 scores the whole batch in "
+                     "one forward.")
   for name in ("eval_every_samples", "checkpoint_every_samples"):
     if config[name] < 0:
       raise ValueError(f"{name}={config[name]} must be >= 0 (samples between two; 0 = only at the end).")
@@ -259,4 +268,4 @@ def member(config, data_parallel: int = 1) -> Member:
                 num_prompts=p, group_size=g, mini_batch_size=mini, micro_batch_size=micro, num_micro=mini // micro,
                 sample_budget=config.sample_budget, total_steps=math.ceil(config.sample_budget / b),
                 actor_lr=actor_lr, actor_adam=actor_adam, critic_lr=critic_lr, critic_adam=critic_adam,
-                batch_derivation=derivation)
+                batch_derivation=derivation, score_num_micro=b // score_micro)

@@ -3,7 +3,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxrl_batch.kernels.train_attention import BACKENDS as ATTENTION_BACKENDS
 from jaxrl_batch.model.rope import RopeScaling
+
+# model.remat -> what a block's backward pass keeps (`jax.checkpoint` policies); None = no rematerialisation.
+REMAT_POLICIES = {"none": None, "block": "nothing_saveable", "dots": "dots_with_no_batch_dims_saveable"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +38,19 @@ class ModelConfig:
     mlp_only_layers: layers kept dense (a SwiGLU of width d_ff) in an MoE model.
     routing_replay: the trainer reuses the experts the sampler chose for each token (`rl` rollouts record them)
       instead of routing again; it changes no parameter.
+    logits_chunk: positions per chunk when a training or scoring forward turns hidden states into per-token
+      log-probs and entropies (`model.logprobs`): the float32 logits exist for one chunk at a time, (B, chunk, V)
+      instead of (B, T, V), and the backward pass recomputes them per chunk. 0, or sequences no longer than one
+      chunk: the whole sequence at once. Changes memory, not values.
+    remat: what a training forward keeps of each block for the backward pass: "none" (every activation), "block"
+      (only the block's input: the block is recomputed), "dots" (the block's matmul outputs without a batch
+      dimension, i.e. the projections; attention scores and elementwise results are recomputed). Changes memory
+      and time, not values.
+    attention: the attention of a forward without a KV cache (training, scoring) when its callers pass
+      `masks.Segments` (`masks.training_layout`): "dense" (B x N x T x T float32 scores per layer), "splash" (TPU
+      kernel), "flash_gpu" (Pallas/Triton GPU kernel), or "auto" (dense on CPU, splash on TPU, flash_gpu on GPU; the
+      platform of the mesh's devices). See `kernels.train_attention`. Changes memory and time; values up to
+      rounding.
   """
 
   vocab_size: int
@@ -58,6 +75,9 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   routing_replay: bool = False
+  logits_chunk: int = 1024
+  remat: str = "none"
+  attention: str = "auto"
 
   def __post_init__(self):
     object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -73,6 +93,12 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise ValueError(f"model.{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}.")
+    if self.logits_chunk < 0:
+      raise ValueError(f"model.logits_chunk={self.logits_chunk} must be >= 0 (0 = the whole sequence at once).")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r} must be one of {sorted(REMAT_POLICIES)}.")
+    if self.attention not in ("auto",) + ATTENTION_BACKENDS:
+      raise ValueError(f"model.attention={self.attention!r} must be 'auto' or one of {ATTENTION_BACKENDS}.")
     if self.num_experts:
       self._check_moe()
     elif self.routing_replay:

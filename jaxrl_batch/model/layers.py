@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_batch.kernels.train_attention import attend, segment_attention
 from jaxrl_batch.model.linear import linear
+from jaxrl_batch.model.masks import Segments
 from jaxrl_batch.model.rope import apply_rope
-
-_NEG_INF = -1e30
 
 
 def sharded_param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
@@ -35,19 +35,6 @@ class RMSNorm(nnx.Module):
     x = x_BxTxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
     return (x * self.scale[...].astype(jnp.float32)).astype(x_BxTxD.dtype)
-
-
-def attend(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS):
-  """Softmax attention with grouped KV heads over keys and values in the cache layout (`KVCache`), under a dense
-  bool mask; scores and softmax in float32. Returns (B, T, N, H)."""
-  b, t, n, h = q_BxTxNxH.shape
-  kv = k_BxKxHxS.shape[1]
-  q_BxKxGxTxH = jnp.moveaxis(q_BxTxNxH.reshape(b, t, kv, n // kv, h), 1, 3)
-  scores = jnp.einsum("bkgth,bkhs->bkgts", q_BxKxGxTxH, k_BxKxHxS, preferred_element_type=jnp.float32)
-  scores = jnp.where(mask_BxTxS[:, None, None], scores * h**-0.5, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
-  out = jnp.einsum("bkgts,bksh->btkgh", probs, v_BxKxSxH)
-  return out.reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):
@@ -80,14 +67,18 @@ class Attention(nnx.Module):
     cache_index..cache_index+T-1 (for T == 1 `cache_index` may be an int (B,), each row's slot) and the queries
     attend over its S slots.
 
-    `decode_backend` None: `mask_BxTxS` is a dense bool mask, read by `attend`. "xla" or "pallas" (static): a
-    cached one-token step (T == 1) whose `mask_BxTxS` is a `masks.DecodeSpan`, read by that backend of the cache's
-    `decode_attention` (`kernels.decode_attention` or `kernels.paged_attention`) in place. Returns (y_BxTxD,
-    cache).
+    `decode_backend` None: `mask_BxTxS` is a dense bool mask, read by `attend`, or without a cache a
+    `masks.Segments`, read by `kernels.train_attention.segment_attention` with backend `cfg.attention` (no T x T
+    array). "xla" or "pallas" (static): a cached one-token step (T == 1) whose `mask_BxTxS` is a `masks.DecodeSpan`,
+    read by that backend of the cache's `decode_attention` (`kernels.decode_attention` or `kernels.paged_attention`)
+    in place. Returns (y_BxTxD, cache).
     """
     if decode_backend is not None and (cache is None or x_BxTxD.shape[1] != 1):
       raise ValueError(f"decode_backend={decode_backend!r} is for a cached one-token step, got T = "
                        f"{x_BxTxD.shape[1]}{'' if cache is not None else ' and no cache'}.")
+    segments = isinstance(mask_BxTxS, Segments)
+    if segments and cache is not None:
+      raise ValueError("masks.Segments describe a forward without a KV cache; a cached forward takes a dense mask.")
     dt = self.cfg.compute_dtype
     q, k, v = (linear(x_BxTxD, w[...].astype(dt)) for w in (self.wq, self.wk, self.wv))
     if self.cfg.qkv_bias:
@@ -101,6 +92,8 @@ class Attention(nnx.Module):
     if decode_backend is not None:
       out_BxTxNxH = cache.decode_attention(layer, q[:, 0], mask_BxTxS.starts_B, mask_BxTxS.ends_B,
                                            backend=decode_backend)[:, None]
+    elif segments:
+      out_BxTxNxH = segment_attention(q, k, v, mask_BxTxS.segment_ids_BxT, backend=self.cfg.attention)
     else:
       k_BxKxHxS, v_BxKxSxH = (cache.layer(layer) if cache is not None else
                               (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)))

@@ -1,9 +1,17 @@
-"""Per-token log-probs of a sequence under the policy, aligned with its tokens."""
+"""Per-token log-probs of a sequence under the policy, aligned with its tokens.
+
+`token_stats` is what every training and scoring forward calls (update, old and reference log-probs, SFT): it
+turns final hidden states into log-probs (and entropies) `model.logits_chunk` positions at a time, so that float32
+logits never exist for the whole (B, T, V) at once. `sequence_logprobs` keeps the whole logits: the dense form the
+chunked one is tested against.
+"""
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_batch.model.masks import layout
+from jaxrl_batch.model.masks import layout, training_layout
 
 
 def sequence_logits(graphdef, params, tokens_BxT, valid_BxT, segment_ids_BxT=None, positions_BxT=None):
@@ -12,6 +20,59 @@ def sequence_logits(graphdef, params, tokens_BxT, valid_BxT, segment_ids_BxT=Non
   model = nnx.merge(graphdef, params)
   logits_BxTxV, _ = model(tokens_BxT, *layout(valid_BxT, segment_ids_BxT, positions_BxT))
   return logits_BxTxV
+
+
+def policy_logprobs(graphdef, params, tokens_BxT, valid_BxT, temperature: float = 1.0, segment_ids_BxT=None,
+                    positions_BxT=None):
+  """logp_BxT as `sequence_logprobs`, computed by `token_stats` (chunked logits; no entropy)."""
+  model = nnx.merge(graphdef, params)
+  hidden_BxTxD, _, _ = model.forward(tokens_BxT, *training_layout(model.cfg.attention, valid_BxT, segment_ids_BxT,
+                                                                   positions_BxT))
+  return token_stats(model, hidden_BxTxD, tokens_BxT, temperature)[0]
+
+
+def token_stats(model, hidden_BxTxD, tokens_BxT, temperature: float = 1.0, entropy: bool = False):
+  """(logp_BxT, entropy_BxT or None) under softmax(model.logits(hidden) / temperature), aligned with the tokens:
+  entry t is log p(token t | prefix) and the entropy of the distribution it was drawn from; entry 0 is 0.
+
+  Sequences longer than `model.cfg.logits_chunk` positions go through a scan over chunks of positions whose body
+  is rematerialised: only one chunk's (B, chunk, V) logits are live, forward or backward. Equal to the dense form.
+  """
+  logits_fn = lambda h: model.logits(h) / temperature
+  chunk = model.cfg.logits_chunk
+  if not chunk or hidden_BxTxD.shape[1] - 1 <= chunk:
+    logits_BxTxV = logits_fn(hidden_BxTxD)[:, :-1]
+    stats = _stats(logits_BxTxV, tokens_BxT[:, 1:], entropy)
+  else:
+    stats = _chunked_stats(logits_fn, hidden_BxTxD[:, :-1], tokens_BxT[:, 1:], chunk, entropy)
+  return tuple(None if x is None else jnp.pad(x, ((0, 0), (1, 0))) for x in stats)
+
+
+def _stats(logits_BxCxV, targets_BxC, entropy: bool):
+  """(log p(target), entropy or None) per position of float32-able logits."""
+  logp_BxC = token_logprobs(logits_BxCxV, targets_BxC)
+  if not entropy:
+    return logp_BxC, None
+  logq_BxCxV = jax.nn.log_softmax(logits_BxCxV.astype(jnp.float32), axis=-1)
+  return logp_BxC, -jnp.sum(jnp.exp(logq_BxCxV) * logq_BxCxV, axis=-1)
+
+
+def _chunked_stats(logits_fn, hidden_BxTxD, targets_BxT, chunk: int, entropy: bool):
+  """`_stats` of logits_fn(hidden) computed `chunk` positions at a time in a scan with a rematerialised body."""
+  b, t, d = hidden_BxTxD.shape
+  n = math.ceil(t / chunk)
+  pad = ((0, 0), (0, n * chunk - t))
+  hidden_NxBxCxD = jnp.pad(hidden_BxTxD, pad + ((0, 0),)).reshape(b, n, chunk, d).swapaxes(0, 1)
+  targets_NxBxC = jnp.pad(targets_BxT, pad).reshape(b, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(hidden_BxCxD, targets_BxC):
+    logp_BxC, entropy_BxC = _stats(logits_fn(hidden_BxCxD), targets_BxC, entropy)
+    return logp_BxC, jnp.zeros_like(logp_BxC) if entropy_BxC is None else entropy_BxC
+
+  _, (logp_NxBxC, entropy_NxBxC) = jax.lax.scan(lambda c, xs: (c, one(*xs)), None, (hidden_NxBxCxD, targets_NxBxC))
+  unchunk = lambda x_NxBxC: x_NxBxC.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  return unchunk(logp_NxBxC), unchunk(entropy_NxBxC) if entropy else None
 
 
 def token_logprobs(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

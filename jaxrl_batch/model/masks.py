@@ -4,6 +4,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl_batch.kernels.train_attention import resolve, segment_causal_mask
+
 
 def positions_from_valid(valid_BxT: jax.Array) -> jax.Array:
   """RoPE position of each token: 0 at a sequence's first valid token (left padding is skipped)."""
@@ -17,15 +19,6 @@ def causal_mask(valid_BxT: jax.Array) -> jax.Array:
   return causal_TxT[None] & valid_BxT[:, None, :].astype(bool)
 
 
-def segment_causal_mask(segment_ids_BxT: jax.Array) -> jax.Array:
-  """(B, T, T) bool for packed rows (`rl.packing`): query t may attend key s iff s <= t and both belong to the same
-  sequence (segment id), 0 marking padding."""
-  t = segment_ids_BxT.shape[-1]
-  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-  return causal_TxT[None] & same_BxTxT & (segment_ids_BxT[:, None, :] != 0)
-
-
 def layout(valid_BxT: jax.Array, segment_ids_BxT: jax.Array | None = None, positions_BxT: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array]:
   """(positions_BxT, mask_BxTxS) of a full forward: padded rows (one sequence each, `valid_BxT`) by default; packed
@@ -33,6 +26,31 @@ def layout(valid_BxT: jax.Array, segment_ids_BxT: jax.Array | None = None, posit
   if segment_ids_BxT is None:
     return positions_from_valid(valid_BxT), causal_mask(valid_BxT)
   return positions_BxT, segment_causal_mask(segment_ids_BxT)
+
+
+class Segments(NamedTuple):
+  """The mask of a forward without a KV cache as each row's segment ids instead of (B, T, T) bools: query t attends
+  key s iff s <= t and both carry the same nonzero id (0 = padding). `Attention` reads it with
+  `kernels.train_attention.segment_attention`, backend `model.attention`; `segments` builds it."""
+
+  segment_ids_BxT: jax.Array
+
+
+def segments(valid_BxT: jax.Array, segment_ids_BxT: jax.Array | None = None, positions_BxT: jax.Array | None = None
+             ) -> tuple[jax.Array, Segments]:
+  """`layout` with the mask as `Segments`: a padded row is one segment (id 1 on its valid tokens); packed rows keep
+  their segment ids. Valid queries attend the keys `layout`'s mask gives them."""
+  if segment_ids_BxT is None:
+    return positions_from_valid(valid_BxT), Segments(valid_BxT.astype(jnp.int32))
+  return positions_BxT, Segments(segment_ids_BxT.astype(jnp.int32))
+
+
+def training_layout(attention: str, valid_BxT: jax.Array, segment_ids_BxT: jax.Array | None = None,
+                    positions_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array | Segments]:
+  """`layout` where `attention` (a `ModelConfig.attention`) resolves to the dense backend on the platform traced for
+  (`kernels.train_attention.resolve`: auto is dense on CPU), else `segments`."""
+  build = layout if resolve(attention) == "dense" else segments
+  return build(valid_BxT, segment_ids_BxT, positions_BxT)
 
 
 def cache_mask(kv_valid_BxS: jax.Array, cache_index: jax.Array, num_queries: int) -> jax.Array:

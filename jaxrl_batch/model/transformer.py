@@ -1,8 +1,9 @@
 """The decoder-only transformer."""
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_batch.model.config import ModelConfig
+from jaxrl_batch.model.config import REMAT_POLICIES, ModelConfig
 from jaxrl_batch.model.kv_cache import KVCache
 from jaxrl_batch.model.layers import Attention, RMSNorm, SwiGLU, fan_in_normal, sharded_param
 from jaxrl_batch.model.linear import linear
@@ -60,10 +61,14 @@ class Transformer(nnx.Module):
     replay_BxTxLxK: optional int experts per token for each of the L MoE layers (routing replay).
     """
     x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
+    policy = REMAT_POLICIES[self.cfg.remat] if cache is None else None
     routings = []
     for layer, block in enumerate(self.blocks):
       replay = None if replay_BxTxLxK is None or not block.sparse else replay_BxTxLxK[:, :, len(routings)]
-      x, cache, routing = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index, decode_backend, replay)
+      if policy is None:
+        x, cache, routing = block(x, positions_BxT, mask_BxTxS, cache, layer, cache_index, decode_backend, replay)
+      else:
+        x, routing = _rematerialised(block, x, positions_BxT, mask_BxTxS, replay, policy)
       if routing is not None:
         routings.append(routing)
     return self.final_norm(x), cache, tuple(routings)
@@ -100,3 +105,14 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       return jnp.einsum("btd,vd->btv", hidden_BxTxD, self.embedding[...].astype(dt), preferred_element_type=jnp.float32)
     return linear(hidden_BxTxD, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
+
+
+def _rematerialised(block: Block, x_BxTxD, positions_BxT, mask_BxTxS, replay_BxTxK, policy: str):
+  """An uncached block under `jax.checkpoint` with the named `jax.checkpoint_policies` policy: its backward pass
+  recomputes what the policy does not save (`ModelConfig.remat`). Returns (x_BxTxD, routing)."""
+  def run(blk, x, positions, mask, replay):
+    y, _, routing = blk(x, positions, mask, replay_BxTxK=replay)
+    return y, routing
+
+  return nnx.remat(run, policy=getattr(jax.checkpoint_policies, policy))(block, x_BxTxD, positions_BxT, mask_BxTxS,
+                                                                          replay_BxTxK)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_batch.model import ModelConfig, layout
+from jaxrl_batch.model import ModelConfig, training_layout
 from jaxrl_batch.model.value_head import ValueHead, ValueModel
 from jaxrl_batch.runtime import sharding
 
@@ -37,9 +37,11 @@ def shared_values(head_graphdef, head_params, hidden_BxTxD) -> jax.Array:
 
 
 def separate_values(graphdef, params, tokens_BxT, valid_BxT, segment_ids_BxT=None, positions_BxT=None) -> jax.Array:
-  """values_BxT (aligned) of a `ValueModel` over left/right-padded sequences, or packed rows (`masks.layout`)."""
+  """values_BxT (aligned) of a `ValueModel` over left/right-padded sequences, or packed rows
+  (`masks.training_layout`)."""
   model = nnx.merge(graphdef, params)
-  hidden_BxTxD, _ = model.backbone.hidden(tokens_BxT, *layout(valid_BxT, segment_ids_BxT, positions_BxT))
+  positions_and_mask = training_layout(model.backbone.cfg.attention, valid_BxT, segment_ids_BxT, positions_BxT)
+  hidden_BxTxD, _ = model.backbone.hidden(tokens_BxT, *positions_and_mask)
   return align(model.head(hidden_BxTxD))
 
 

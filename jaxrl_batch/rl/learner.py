@@ -11,24 +11,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_batch.model import policy_logprobs
 from jaxrl_batch.rl import advantages as adv_lib
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.algorithm import AlgoConfig
-from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs
+from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.packing import Packing
-from jaxrl_batch.rl.update import Models, packed_forward, score, update
+from jaxrl_batch.rl.update import Models, micro_batched, packed_forward, score, update
 from jaxrl_batch.runtime import sharding, streams
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "packing"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "packing", "num_micro"))
 def reference_logprobs(ref_params, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphdef, temperature: float,
-                       packing: Packing | None = None):
-  """log-probs of the frozen reference policy per token (0 off the loss mask); over packed rows with `packing`."""
+                       packing: Packing | None = None, num_micro: int = 1):
+  """log-probs of the frozen reference policy per token (0 off the loss mask); in `num_micro` forwards of
+  B / num_micro rows, or over packed rows with `packing`."""
   def fn(tokens, valid, experts=None, segment_ids=None, positions=None):
-    return sequence_logprobs(graphdef, ref_params, tokens, valid, temperature, segment_ids, positions)[0]
+    return policy_logprobs(graphdef, ref_params, tokens, valid, temperature, segment_ids, positions)
 
   if packing is None:
-    logp_BxT = fn(tokens_BxT, valid_BxT)
+    logp_BxT = micro_batched(fn, num_micro, tokens_BxT, valid_BxT)
   else:
     logp_BxT = packed_forward(fn, tokens_BxT, valid_BxT, None, packing)
   return jnp.where(loss_mask_BxT, logp_BxT, 0.0)
@@ -99,9 +101,11 @@ class Learner:
   """Turns rollouts into a `TrainBatch` and applies cfg.epochs x cfg.mini_batches updates to it."""
 
   def __init__(self, cfg: AlgoConfig, models: Models, *, group_size: int, mini_batch_size: int, num_micro: int,
-               seed: int, mesh, packing: Packing | None = None):
-    """`packing`: every forward (trainer log-probs, reference, critic values, the update) over packed rows."""
+               seed: int, mesh, packing: Packing | None = None, score_num_micro: int = 1):
+    """`packing`: every forward (trainer log-probs, reference, critic values, the update) over packed rows;
+    `score_num_micro`: forwards that score a batch of padded rows (trainer and reference log-probs, values)."""
     self.cfg, self.models, self.mesh, self.packing = cfg, models, mesh, packing
+    self.score_num_micro = score_num_micro
     self.group_size, self.mini_batch_size, self.num_micro, self.seed = group_size, mini_batch_size, num_micro, seed
 
   def orders(self, step: int, batch_size: int) -> list[np.ndarray]:
@@ -122,11 +126,12 @@ class Learner:
     tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B, experts = _from_rollouts(rollouts, mesh=self.mesh)
     trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), tokens_BxT, valid_BxT, mask_BxT,
                                          experts, models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer",
-                                         packing=self.packing)
+                                         packing=self.packing, num_micro=self.score_num_micro)
     ref_logp_BxT = None
     if cfg.use_kl:
       ref_logp_BxT = reference_logprobs(ref_params, tokens_BxT, valid_BxT, mask_BxT, graphdef=self.models.graphdef,
-                                         temperature=cfg.temperature, packing=self.packing)
+                                         temperature=cfg.temperature, packing=self.packing,
+                                         num_micro=self.score_num_micro)
     return _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT, values_BxT,
                      rewards_B, kl_coef, experts, cfg=cfg, group_size=self.group_size)
 

@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrl_batch.model import layout
+from jaxrl_batch.model import token_stats, training_layout
 from jaxrl_batch.rl import critic as critic_lib
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl import noise_scale as noise_lib
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.rl import routing as routing_lib
 from jaxrl_batch.rl.algorithm import AlgoConfig
-from jaxrl_batch.rl.batch import TrainBatch, shifted_logprobs, split_micro_batches
+from jaxrl_batch.rl.batch import TrainBatch, split_micro_batches
 
 
 class Models(NamedTuple):
@@ -44,27 +44,27 @@ class Weights(NamedTuple):
 
 
 def forward(policy, critic, tokens_BxT, valid_BxT, models: Models, cfg: AlgoConfig, need_policy: bool = True,
-            experts_BxTxLxK=None, segment_ids_BxT=None, positions_BxT=None):
-  """(logp_BxT, logits_BxTxV or None, values_BxT or None, routings) at temperature cfg.temperature, all aligned per
-  token; routings: the policy's `moe.Routing` per MoE layer (empty for a dense policy or without its forward),
-  replaying `experts_BxTxLxK` (the sampler's; None = none recorded) when the model's routing_replay is on. Packed
-  rows pass their segment ids and positions (`masks.layout`)."""
-  positions_BxT, mask_BxTxS = layout(valid_BxT, segment_ids_BxT, positions_BxT)
-  logp_BxT = logits_BxTxV = values_BxT = None
+            experts_BxTxLxK=None, segment_ids_BxT=None, positions_BxT=None, entropy: bool = False):
+  """(logp_BxT or None, entropy_BxT or None, values_BxT or None, routings) at temperature cfg.temperature, all
+  aligned per token (`model.token_stats`: logits in chunks of positions; the entropy only with `entropy`);
+  routings: the policy's `moe.Routing` per MoE layer (empty for a dense policy or without its forward), replaying
+  `experts_BxTxLxK` (the sampler's; None = none recorded) when the model's routing_replay is on. Packed rows pass
+  their segment ids and positions (`masks.training_layout`)."""
+  logp_BxT = entropy_BxT = values_BxT = None
   routings = ()
   if need_policy or (cfg.critic and cfg.share_backbone):
     model = nnx.merge(models.graphdef, policy)
     replay = experts_BxTxLxK if model.cfg.routing_replay else None
-    hidden_BxTxD, _, routings = model.forward(tokens_BxT, positions_BxT, mask_BxTxS, replay_BxTxLxK=replay)
+    positions_and_mask = training_layout(model.cfg.attention, valid_BxT, segment_ids_BxT, positions_BxT)
+    hidden_BxTxD, _, routings = model.forward(tokens_BxT, *positions_and_mask, replay_BxTxLxK=replay)
     if need_policy:
-      logits_BxTxV = model.logits(hidden_BxTxD) / cfg.temperature
-      logp_BxT = shifted_logprobs(logits_BxTxV, tokens_BxT)
+      logp_BxT, entropy_BxT = token_stats(model, hidden_BxTxD, tokens_BxT, cfg.temperature, entropy)
     if cfg.critic and cfg.share_backbone:
       values_BxT = critic_lib.shared_values(models.critic_graphdef, critic, hidden_BxTxD)
   if cfg.critic and not cfg.share_backbone:
     values_BxT = critic_lib.separate_values(models.critic_graphdef, critic, tokens_BxT, valid_BxT, segment_ids_BxT,
                                             positions_BxT)
-  return logp_BxT, logits_BxTxV, values_BxT, routings
+  return logp_BxT, entropy_BxT, values_BxT, routings
 
 
 def _router_terms(routings, micro: TrainBatch, num_micro: int) -> dict:
@@ -100,11 +100,11 @@ def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models:
   policy, critic = trainable
   if not train_actor:
     policy = jax.lax.stop_gradient(policy)
-  logp_BxT, logits_BxTxV, values_BxT, routings = forward(policy, critic, micro.tokens_BxT, micro.valid_BxT, models,
-                                                         cfg, need_policy=train_actor,
-                                                         experts_BxTxLxK=micro.experts_BxTxLxK,
-                                                         segment_ids_BxT=micro.segment_ids_BxT,
-                                                         positions_BxT=micro.positions_BxT)
+  logp_BxT, entropy_BxT, values_BxT, routings = forward(policy, critic, micro.tokens_BxT, micro.valid_BxT, models,
+                                                        cfg, need_policy=train_actor,
+                                                        experts_BxTxLxK=micro.experts_BxTxLxK,
+                                                        segment_ids_BxT=micro.segment_ids_BxT,
+                                                        positions_BxT=micro.positions_BxT, entropy=True)
   mask_BxT = micro.loss_mask_BxT
   w, tw = weights.loss_BxT, weights.token_BxT
   wsum = functools.partial(_weighted_sum, w)
@@ -120,9 +120,8 @@ def _micro_loss(trainable, micro: TrainBatch, weights: Weights, kl_coef, models:
                                                        cfg.tis_mode)
       pg_BxT = pg_BxT * weight_BxT
       aux["tis_capped_frac"] = losses.weighted_sum(capped_BxT, tw)
-    entropy_BxT = losses.entropy_from_logits(logits_BxTxV[:, :-1])
-    entropy_BxT = jnp.pad(entropy_BxT if cfg.entropy_coef > 0 else jax.lax.stop_gradient(entropy_BxT),
-                          ((0, 0), (1, 0)))
+    if cfg.entropy_coef <= 0:
+      entropy_BxT = jax.lax.stop_gradient(entropy_BxT)
     pg = wsum(pg_BxT)
     aux["policy_loss"] = first(pg)
     loss = pg - cfg.entropy_coef * wsum(entropy_BxT)
@@ -250,20 +249,29 @@ def packed_forward(fn, tokens_BxT, valid_BxT, experts_BxTxLxK, packing: packing_
   return jax.tree.map(lambda x: packing_lib.unpack(plan, x), outs)
 
 
-@functools.partial(jax.jit, static_argnames=("models", "cfg", "need_policy", "packing"))
+@functools.partial(jax.jit, static_argnames=("models", "cfg", "need_policy", "packing", "num_micro"))
 def score(policy, critic, tokens_BxT, valid_BxT, loss_mask_BxT, experts_BxTxLxK=None, *, models: Models,
-          cfg: AlgoConfig, need_policy: bool = True, packing: packing_lib.Packing | None = None):
+          cfg: AlgoConfig, need_policy: bool = True, packing: packing_lib.Packing | None = None, num_micro: int = 1):
   """(logp_BxT or None, values_BxT or None) without gradients, 0 off the loss mask: the trainer's old log-probs
-  and the critic's old values (before this step's updates), replaying the sampler's routing as `forward`; over
-  packed rows with `packing`."""
+  and the critic's old values (before this step's updates), replaying the sampler's routing as `forward`; in
+  `num_micro` forwards of B / num_micro rows, or over packed rows with `packing`."""
   def fn(tokens, valid, experts, segment_ids=None, positions=None):
     logp, _, values, _ = forward(policy, critic, tokens, valid, models, cfg, need_policy, experts, segment_ids,
                                  positions)
     return logp, values
 
   if packing is None:
-    logp_BxT, values_BxT = fn(tokens_BxT, valid_BxT, experts_BxTxLxK)
+    logp_BxT, values_BxT = micro_batched(fn, num_micro, tokens_BxT, valid_BxT, experts_BxTxLxK)
   else:
     logp_BxT, values_BxT = packed_forward(fn, tokens_BxT, valid_BxT, experts_BxTxLxK, packing)
   masked = lambda x: None if x is None else jnp.where(loss_mask_BxT, x, 0.0)
   return masked(logp_BxT), masked(values_BxT)
+
+
+def micro_batched(fn, num_micro: int, *rows):
+  """fn(*rows) of a forward, computed `num_micro` slices of the rows at a time (`jax.lax.map`: one slice's
+  activations live at once); the outputs joined back to B rows."""
+  if num_micro == 1:
+    return fn(*rows)
+  outs = jax.lax.map(lambda micro: fn(*micro), split_micro_batches(rows, num_micro))
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), outs)

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxrl_batch.model import policy_logprobs
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl import packing as packing_lib
-from jaxrl_batch.rl.batch import sequence_logprobs
 from jaxrl_batch.runtime import streams
 from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.train.evaluation import eval_accuracy
@@ -53,7 +53,7 @@ def sft_step(params, opt_state, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphde
   """One Adam step on the mean next-token cross-entropy over `loss_mask` tokens, in one forward or, with
   `packing`, over packed micro-batches (gradients accumulated). Returns (params, opt, loss)."""
   def loss_fn(p, tokens, valid, loss_mask, segment_ids=None, positions=None):  # summed: / the batch's count
-    logp, _ = sequence_logprobs(graphdef, p, tokens, valid, 1.0, segment_ids, positions)
+    logp = policy_logprobs(graphdef, p, tokens, valid, 1.0, segment_ids, positions)
     return -losses.masked_token_sum_mean(logp, loss_mask, jnp.sum(loss_mask_BxT))
 
   if packing is None:
@@ -73,13 +73,18 @@ def sft_step(params, opt_state, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphde
   return optax.apply_updates(params, updates), opt_state, loss
 
 
+# Model settings that change memory or speed, not values: a base policy trained under others is the same policy.
+MEMORY_SETTINGS = ("logits_chunk", "remat", "attention")
+
+
 def cache_key(exp: Experiment) -> str:
   """Hash of everything the base policy depends on."""
   with open(exp.tokenizer.path, "rb") as f:
     tokenizer_hash = hashlib.sha256(f.read()).hexdigest()
   c = exp.config
   sft = {k: v for k, v in c.sft.items() if k != "cache_dir"}
-  key = dict(model=c.model.to_dict(), task=c.task.to_dict(), sft=sft, seed=c.seed, tokenizer=tokenizer_hash,
+  model = {k: v for k, v in c.model.items() if k not in MEMORY_SETTINGS}
+  key = dict(model=model, task=c.task.to_dict(), sft=sft, seed=c.seed, tokenizer=tokenizer_hash,
              response_len=exp.response_len)
   if exp.chat is not None:  # Only then: the keys of existing caches stay valid.
     key["chat_template"] = dataclasses.asdict(exp.chat)

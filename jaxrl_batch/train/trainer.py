@@ -253,7 +253,8 @@ class Trainer:
     models = Models(self.graphdef, self.optimizer.tx, critic_graphdef,
                     self.critic_optimizer.tx if self.critic_optimizer else None)
     self.learner = Learner(self.algo, models, group_size=m.group_size, mini_batch_size=m.mini_batch_size,
-                           num_micro=m.num_micro, seed=m.seed, mesh=exp.mesh, packing=exp.packing)
+                           num_micro=m.num_micro, seed=m.seed, mesh=exp.mesh, packing=exp.packing,
+                           score_num_micro=m.score_num_micro)
     return state
 
   def start(self) -> tuple[dict, dict]:

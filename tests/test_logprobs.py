@@ -1,0 +1,152 @@
+"""Memory settings that change no value: log-probs and entropies in chunks of positions (`model.logits_chunk`) and
+rematerialised blocks (`model.remat`) give the dense forward's values and gradients, padded and packed; a numpy
+log-softmax of the dense logits is the reference; the chunked program's temporaries are a chunk's, not (B, T, V)."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_batch.model import ModelConfig, Transformer, layout, sequence_logits, token_stats
+from jaxrl_batch.runtime import sharding
+
+CFG = ModelConfig(vocab_size=37, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, d_ff=32)
+MOE = dataclasses.replace(CFG, num_experts=4, num_experts_per_tok=2, moe_d_ff=8)
+B, T, TEMPERATURE = 3, 23, 0.7
+ONE = jax.devices()[:1]
+
+
+def graphdef_and_params(cfg, **settings):
+  mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
+  make = lambda: Transformer(dataclasses.replace(cfg, **settings), nnx.Rngs(0))
+  return sharding.create_sharded(make, mesh, sharding.DEFAULT_RULES)
+
+
+def inputs(packed: bool):
+  """Left/right-padded rows, or packed rows of two sequences each (segment ids 1, 2 and padding 0)."""
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
+  if not packed:
+    valid = np.ones((B, T), bool)
+    valid[0, :4], valid[1, -6:] = False, False
+    return jnp.asarray(tokens), jnp.asarray(valid), None, None
+  segments = np.zeros((B, T), np.int32)
+  for row, (a, b) in enumerate([(9, 20), (12, 23), (5, 11)]):
+    segments[row, :a], segments[row, a:b] = 1, 2
+  positions = np.zeros((B, T), np.int32)
+  for row in range(B):
+    for seg in (1, 2):
+      where = segments[row] == seg
+      positions[row, where] = np.arange(where.sum())
+  return jnp.asarray(tokens), jnp.asarray(segments > 0), jnp.asarray(segments), jnp.asarray(positions)
+
+
+def objective(graphdef, params, tokens, valid, segments, positions):
+  """A loss that uses both outputs: sum(logp) + 0.3 sum(entropy) over valid targets."""
+  model = nnx.merge(graphdef, params)
+  hidden, _, _ = model.forward(tokens, *layout(valid, segments, positions))
+  logp, entropy = token_stats(model, hidden, tokens, TEMPERATURE, entropy=True)
+  weight = valid.at[:, 0].set(False)
+  return jnp.sum(jnp.where(weight, logp + 0.3 * entropy, 0.0)), (logp, entropy)
+
+
+def run(cfg, packed, **settings):
+  graphdef, params = graphdef_and_params(cfg, **settings)
+  fn = jax.jit(jax.value_and_grad(lambda p, *x: objective(graphdef, p, *x), has_aux=True))
+  (loss, (logp, entropy)), grads = fn(params, *inputs(packed))
+  return params, graphdef, float(loss), np.asarray(logp), np.asarray(entropy), grads
+
+
+def numpy_reference(graphdef, params, packed):
+  """log p(token t | prefix) and the entropy at t - 1, from a float64 log-softmax of the dense logits."""
+  tokens, valid, segments, positions = inputs(packed)
+  logits = np.asarray(sequence_logits(graphdef, params, tokens, valid, segments, positions), np.float64)
+  logits = logits / TEMPERATURE
+  logq = logits - logits.max(-1, keepdims=True)
+  logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
+  logp = np.take_along_axis(logq[:, :-1], np.asarray(tokens)[:, 1:, None], -1)[..., 0]
+  entropy = -(np.exp(logq) * logq).sum(-1)[:, :-1]
+  return np.pad(logp, ((0, 0), (1, 0))), np.pad(entropy, ((0, 0), (1, 0)))
+
+
+def assert_grads_close(got, want):
+  """Each leaf within 1e-5 of the largest gradient entry of its own leaf (sums of many products)."""
+  def close(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-3))
+  jax.tree.map(close, got, want)
+
+
+@functools.cache
+def dense(cfg, packed):
+  """The dense forward (no chunks, no remat) and the numpy reference of its log-probs and entropies."""
+  params, graphdef, loss, logp, entropy, grads = run(cfg, packed, logits_chunk=0, remat="none")
+  want_logp, want_entropy = numpy_reference(graphdef, params, packed)
+  return loss, logp, entropy, grads, want_logp, want_entropy
+
+
+@pytest.mark.parametrize("cfg, packed", [(CFG, False), (MOE, True)], ids=["dense_padded", "moe_packed"])
+def test_dense_form_equals_numpy_reference(cfg, packed):
+  _, logp, entropy, _, want_logp, want_entropy = dense(cfg, packed)
+  np.testing.assert_allclose(logp, want_logp, rtol=0, atol=2e-5)
+  np.testing.assert_allclose(entropy, want_entropy, rtol=0, atol=2e-5)
+  assert np.abs(logp).max() > 1 and entropy.max() > 1  # Not trivially equal.
+
+
+# Chunks that divide T - 1 = 22, that do not (a padded last chunk), of one position; each remat policy.
+@pytest.mark.parametrize("cfg, packed, settings", [
+    (CFG, False, dict(logits_chunk=5)),
+    (CFG, False, dict(logits_chunk=1, remat="block")),
+    (CFG, False, dict(logits_chunk=11, remat="dots")),
+    (CFG, True, dict(logits_chunk=5, remat="block")),
+    (MOE, True, dict(logits_chunk=7, remat="block")),
+], ids=["chunk5", "chunk1_block", "chunk11_dots", "packed_chunk5_block", "moe_packed_chunk7_block"])
+def test_chunks_and_remat_leave_values_and_gradients_unchanged(cfg, packed, settings):
+  loss, logp, entropy, grads, want_logp, _ = dense(cfg, packed)
+  _, _, loss2, logp2, entropy2, grads2 = run(cfg, packed, **settings)
+  np.testing.assert_allclose(logp2, logp, rtol=0, atol=1e-6)
+  np.testing.assert_allclose(entropy2, entropy, rtol=0, atol=1e-6)
+  np.testing.assert_allclose(loss2, loss, rtol=0, atol=1e-6 * np.abs(want_logp).sum())
+  assert_grads_close(grads2, grads)
+
+
+def test_without_entropy_only_log_probs():
+  graphdef, params = graphdef_and_params(CFG, logits_chunk=5)
+  tokens, valid, _, _ = inputs(False)
+  model = nnx.merge(graphdef, params)
+  hidden, _, _ = model.forward(tokens, *layout(valid))
+  logp, entropy = token_stats(model, hidden, tokens, TEMPERATURE)
+  assert entropy is None and logp.shape == (B, T) and np.all(np.asarray(logp)[:, 0] == 0)
+
+
+def test_chunked_program_holds_one_chunk_of_logits():
+  """The compiled gradient of `token_stats` (head and hidden states): the dense form holds the float32 (B, T, V)
+  logits and more than as much again; with 64-position chunks the temporaries are a few chunks' logits (measured:
+  8.5 MB against 67 MB)."""
+  cfg = dataclasses.replace(CFG, vocab_size=4096)
+  tokens = jnp.zeros((2, 513), jnp.int32)
+  hidden = jnp.ones((2, 513, cfg.d_model), jnp.float32)
+
+  def temps(chunk):
+    graphdef, params = graphdef_and_params(cfg, logits_chunk=chunk)
+
+    def loss(p, h):
+      logp, entropy = token_stats(nnx.merge(graphdef, p), h, tokens, TEMPERATURE, entropy=True)
+      return jnp.sum(logp + entropy)
+
+    return jax.jit(jax.grad(loss, (0, 1))).lower(params, hidden).compile().memory_analysis().temp_size_in_bytes
+
+  logits_bytes, chunk_bytes = 2 * 512 * 4096 * 4, 2 * 64 * 4096 * 4
+  dense_temps, chunked_temps = temps(0), temps(64)
+  assert dense_temps > 2 * logits_bytes, dense_temps
+  assert chunked_temps < 5 * chunk_bytes, (chunked_temps, dense_temps)
+
+
+def test_settings_are_checked():
+  with pytest.raises(ValueError, match="model.remat='all' must be one of"):
+    dataclasses.replace(CFG, remat="all")
+  with pytest.raises(ValueError, match="model.logits_chunk=-1 must be >= 0"):
+    dataclasses.replace(CFG, logits_chunk=-1)
