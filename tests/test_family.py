@@ -76,7 +76,10 @@ def test_member_of_a_prompts_family_derives_prompts_from_the_batch():
   m = family.member(ppo_arith.get_config("batch=256"))
   assert (m.batch_size, m.num_prompts, m.group_size) == (256, 32, 8)
   assert (m.mini_batch_size, m.micro_batch_size, m.num_micro, m.updates_per_step) == (128, 64, 2, 4)
-  assert m.total_steps == 192 and m.name == "sqrt_b256_s0"
+  assert m.total_steps == 192 and m.name == "sqrt_b256_s0" and m.score_num_micro == 1
+  config = ppo_arith.get_config("batch=256")
+  config.score_micro_batch_size = 64
+  assert family.member(config).score_num_micro == 4 and family.member(config).to_json()["score_num_micro"] == 4
   assert m.actor_lr.lr == pytest.approx(5e-5 * math.sqrt(2)) and m.critic_lr.lr == pytest.approx(3e-4 * math.sqrt(2))
   assert m.to_json()["batch_derivation"] == "B=256 rollouts = 32 prompts x 8 samples (family_axis=prompts: P = B / G)"
 
@@ -99,6 +102,7 @@ def test_batch_override_on_a_group_size_family_changes_the_group_not_the_prompts
     ("", dict(num_prompts=3), "num_prompts=3 contradicts batch_size=128 / group_size=8"),
     ("", dict(micro_batch_size=48), "micro_batch_size=48 must divide the mini-batch"),
     ("", dict(sample_budget=64), "sample_budget=64 is smaller than one batch"),
+    ("", dict(score_micro_batch_size=48), "score_micro_batch_size=48 must divide batch_size=128"),
 ])
 def test_member_refuses_batch_settings_that_cannot_run(arg, overrides, match):
   from configs import grpo_arith  # pylint: disable=import-outside-toplevel

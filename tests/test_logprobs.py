@@ -150,3 +150,22 @@ def test_settings_are_checked():
     dataclasses.replace(CFG, remat="all")
   with pytest.raises(ValueError, match="model.logits_chunk=-1 must be >= 0"):
     dataclasses.replace(CFG, logits_chunk=-1)
+
+
+def test_scoring_in_micro_batches_equals_one_forward():
+  """`score` and `reference_logprobs` with score_num_micro = 3 (forwards of one row) give the one-forward values."""
+  from jaxrl_batch.rl.algorithm import AlgoConfig
+  from jaxrl_batch.rl.learner import reference_logprobs
+  from jaxrl_batch.rl.update import Models, score
+
+  graphdef, params = graphdef_and_params(CFG)
+  tokens, valid, _, _ = inputs(False)
+  mask = valid.at[:, :T // 2].set(False)
+  models, cfg = Models(graphdef, None), AlgoConfig(old_logp="trainer", temperature=TEMPERATURE)
+  ref = lambda n: reference_logprobs(params, tokens, valid, mask, graphdef=graphdef, temperature=TEMPERATURE,
+                                     num_micro=n)
+  old = lambda n: score(params, None, tokens, valid, mask, models=models, cfg=cfg, num_micro=n)[0]
+  np.testing.assert_allclose(ref(3), ref(1), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(old(3), old(1), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(old(1), ref(1), rtol=0, atol=1e-6)
+  assert np.abs(np.asarray(ref(1))).max() > 1
