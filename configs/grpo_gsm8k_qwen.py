@@ -111,6 +111,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   base_batch = TINY_BASE_BATCH if tiny else BASE_PROMPTS * GROUP_SIZE
   c.batch_size = batch_size(arg.batch, arg.prompts, c.group_size, base_batch)
   c.micro_batch_size = 8 if tiny else 64
+  # Real shapes: blocks recomputed in the backward pass, and the step's batch scored 64 rollouts per forward (the
+  # whole batch in one forward needs ~746 GiB per chip for qwen2.5-1.5b at 4k tokens: docs/scaling.md).
+  c.model.remat = "none" if tiny else "block"
+  c.score_micro_batch_size = 0 if tiny else 64
   c.rl.update(estimator="grpo", clip_low=0.2, clip_high=0.28, loss_agg="token_mean")
   c.sampling.temperature = 1.0
   c.optim.update(base_lr=TINY_BASE_LR if tiny else BASE_LR, base_batch=base_batch, lr_rule=arg.lr_rule,

@@ -24,6 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jaxrl_batch.kernels import online_softmax
+from jaxrl_batch.kernels.platform import current_platform
 
 BACKENDS = ("pallas", "xla")
 # Triton's dot wants every operand dimension >= 16 and power-of-two tensor sizes, so the G query heads of a kv group
@@ -155,8 +156,8 @@ def backend_for(platform: str) -> str:
 
 
 def default_backend() -> str:
-  """`backend_for` the default JAX platform."""
-  return backend_for(jax.default_backend())
+  """`backend_for` the platform traced for (`kernels.platform`: a compile-only TPU mesh counts as TPU)."""
+  return backend_for(current_platform())
 
 
 # The "pallas" backend's TPU branch: traced on every platform (as all `lax.platform_dependent` branches are), it

@@ -28,6 +28,7 @@ from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_batch.kernels.platform import current_platform
 from jaxrl_batch.runtime.sharding import BATCH_AXES
 
 BACKENDS = ("dense", "splash", "flash_gpu")
@@ -131,13 +132,6 @@ def backend_for(platform: str) -> str:
   """The backend "auto" stands for on `platform` (a `jax.default_backend()` name or a device's platform): splash on
   TPU, flash_gpu on GPU, dense elsewhere (on CPU the kernels only interpret)."""
   return "splash" if platform == "tpu" else "flash_gpu" if platform in _GPU_PLATFORMS else "dense"
-
-
-def current_platform() -> str:
-  """The platform being traced for: the ambient mesh's devices' (so a mesh of compile-only TPU devices on a CPU
-  machine says "tpu"), else `jax.default_backend()`."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return device.platform if device is not None else jax.default_backend()
 
 
 def resolve(backend: str, platform: str | None = None) -> str:
