@@ -41,6 +41,8 @@ def test_rollouts_come_from_the_policy_k_steps_before_resume_in_flight_and_do_no
   # Generation in a child process on core 0 (the weights shipped to it, the rollouts back): the same rows, and
   # this process gets all its cores back.
   cores, remote = os.sched_getaffinity(0), str(tmp_path / "process")
+  if not cores - {0}:  # e.g. under `taskset -c 0`
+    pytest.skip("the rest passed; generation on core 0 needs another core for the learner, and there is none")
   Trainer(debug_config(base_cache, **STALE, **{"rollout_mesh.process_cores": "0"}), remote, devices=ONE_DEVICE).run()
   assert rundir.rows_mismatch(a, rundir.read_metrics(remote), compared) is None
   assert os.sched_getaffinity(0) == cores

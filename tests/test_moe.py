@@ -149,7 +149,8 @@ def _loss_and_grads(mesh, rows: int):
 def test_expert_parallel_mesh_gives_same_loss_and_grads(mesh_shape, rows):
   """(data, fsdp, tensor, expert): tokens gathered over the expert axis; with 2 rows on 4 expert devices the
   tokens are replicated over it instead."""
-  assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices"
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")
   assert moe.TOKEN_AXES == sharding.BATCH_AXES
   data, fsdp, tensor, expert = mesh_shape
   loss1, grads1, _ = _loss_and_grads(sharding.make_mesh(1, 1, 1, devices=ONE), rows)
@@ -161,6 +162,8 @@ def test_expert_parallel_mesh_gives_same_loss_and_grads(mesh_shape, rows):
 
 
 def test_expert_count_not_divisible_by_expert_axis_is_refused():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")
   cfg = ModelConfig(**{**CFG.__dict__, "num_experts": 6})
   mesh = sharding.make_mesh(1, 1, 1, expert=8)
   graphdef, params = sharding.create_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)

@@ -16,7 +16,7 @@ from jaxrl_batch.rl.packing import Packing, first_fit_decreasing, pack, plan, un
 from jaxrl_batch.rl.update import score
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train.sft import sft_step
-from tests.test_update import B, N, ONE, P, PPO, make_batch, one_step, setup
+from tests.test_update import B, N, ONE, P, PPO, assert_metrics_close, loss_scale, make_batch, one_step, setup
 
 T = P + N
 PACKED = Packing(rows=2, length=2 * T)  # rows of two padded rows' length: most hold two or three sequences
@@ -81,14 +81,16 @@ def test_packed_update_equals_the_padded_one_on_one_device_and_eight(cfg, reques
   batch = batch._replace(sampler_logp_BxT=batch.old_logp_BxT + jnp.asarray(rng.normal(0, 0.2, (B, T)), jnp.float32)
                          * batch.loss_mask_BxT)
   one = sharding.make_mesh(1, 1, 1, devices=ONE)
-  _, _, want, want_metrics = one_step(one, 2, batch, cfg)
-  for mesh in (one, sharding.make_mesh(2, 2, 2)) if eight else (one,):
+  models, before, want, want_metrics = one_step(one, 2, batch, cfg)
+  scales = loss_scale(models, before["params"], batch, cfg, want_metrics)
+  skipped = eight and jax.device_count() < 8
+  for mesh in (one, sharding.make_mesh(2, 2, 2)) if eight and not skipped else (one,):
     _, _, got, metrics = one_step(mesh, 2, batch, cfg, packing=PACKED)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=3e-6), want, got)
-    for key in want_metrics:
-      if not key.startswith("noise_"):  # Estimates from micro-batches of other sizes.
-        np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=2e-5, atol=1e-7, err_msg=key)
+    assert_metrics_close(metrics, want_metrics, scales)
   assert want_metrics["grad_norm"] > 0
+  if skipped:
+    pytest.skip("the one-device part passed; the eight-device part needs 8 devices (tests/conftest.py fakes them)")
 
 
 @pytest.mark.parametrize("cfg", [AlgoConfig(old_logp="trainer"), PPO, dataclasses.replace(PPO, share_backbone=True)],
@@ -133,7 +135,11 @@ def test_a_run_with_packed_micro_batches_gives_the_padded_run_rows(tmp_path, bas
     trainer.run()
     assert trainer.learner.packing == trainer.exp.packing
     runs.append(rundir.read_metrics(str(tmp_path / name)))
-  assert rundir.rows_mismatch(*runs, rtol=1e-4) is None
+  # Every field to 1e-4 of itself; the loss, a sum of terms about 1 in size (unit-std advantages, token weights summing
+  # to 1) that can cancel to near 0, with a floor of 1e-5 too, far above float32 rounding at that size.
+  assert rundir.rows_mismatch(*runs, [f for f in rundir.REPRODUCIBLE_FIELDS if f != "loss"], rtol=1e-4) is None
+  loss = [[np.nan if r.get("loss") is None else r["loss"] for r in rows] for rows in runs]
+  np.testing.assert_allclose(loss[1], loss[0], rtol=1e-4, atol=1e-5)
   assert all(r["grad_norm"] > 0 for r in runs[1] if "grad_norm" in r)
   with pytest.raises(ValueError, match=r"micro_batch_tokens=8 packs rows of 12 tokens"):
     Trainer(debug_config(base_cache, micro_batch_tokens=8), str(tmp_path / "small"), devices=ONE)
