@@ -104,3 +104,28 @@ def test_the_abstract_state_is_the_trainers():
   for x, s in zip(flat_real, flat_abstract):
     assert (x.shape, x.dtype) == (s.shape, s.dtype)
     assert x.sharding.is_equivalent_to(s.sharding, x.ndim), (x.sharding, s.sharding)
+
+
+@pytest.mark.usefixtures("libtpu")
+def test_chunked_logits_and_rollout_blocks_compile_for_v5e():
+  """The update's temporaries with 32-position logit chunks are under half the whole-sequence form's (a 40,000-token
+  vocabulary makes the float32 logits dominate); the rollout compiles as one block of all rows and as blocks of
+  `sampling.slots` (a PRNG key argument)."""
+  config = grpo_gsm8k_qwen.get_config("model=tiny_random")
+  config.model.vocab_size = 40_000
+
+  def update_temps(chunk):
+    config.model.logits_chunk = chunk
+    report = aot.check(config, "v5e:2x2", programs=("update",), prompt_len=32, response_len=224)
+    assert report.program("update").status == "fits", report.program("update").verdict
+    return report.program("update").memory.temp_bytes
+
+  whole, chunked = update_temps(0), update_temps(32)
+  logits_bytes = 2 * 256 * 40_000 * 4  # One micro-batch's float32 logits per chip (8 rows on 4 chips).
+  assert whole > logits_bytes and chunked < whole / 2, (chunked, whole)
+  for slots in (0, 2):
+    config.sampling.slots = slots
+    rollout = aot.check(config, "v5e:2x2", programs=("rollout",), prompt_len=32, response_len=32).program("rollout")
+    # Temporaries this small live in on-chip memory (0 bytes of HBM); the weights and prompts are arguments.
+    assert rollout.status == "fits" and rollout.memory.peak_bytes > 0 and rollout.cost.flops > 0, rollout.verdict
+    assert (f"{4 * slots} rows" if slots else "16 rows") in rollout.shape

@@ -141,7 +141,7 @@ def _per_chip_bytes(tree) -> int:
 
 
 def _struct(shape, dtype, sharding_):
-  return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding_)
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding_)  # dtype as given: PRNG key types too
 
 
 def _experiment(config: ml_collections.ConfigDict, devices, prompt_len: int, response_len: int) -> Experiment:
