@@ -9,7 +9,7 @@ from jaxrl_batch.model.paged_cache import PagedKVCache
 from jaxrl_batch.model.rope import RopeScaling
 from jaxrl_batch.model.transformer import Transformer
 
-__all__ = ["DecodeSpan", "ModelConfig", "Segments", "KVCache", "PagedKVCache", "RopeScaling", "Transformer", "cache_mask",
-           "causal_mask", "layout", "policy_logprobs", "positions_from_valid", "segment_causal_mask",
+__all__ = ["DecodeSpan", "ModelConfig", "Segments", "KVCache", "PagedKVCache", "RopeScaling", "Transformer",
+           "cache_mask", "causal_mask", "layout", "policy_logprobs", "positions_from_valid", "segment_causal_mask",
            "segments", "sequence_logits", "sequence_logprobs", "shifted_logprobs", "token_logprobs", "token_stats",
            "training_layout"]
