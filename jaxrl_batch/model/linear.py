@@ -13,8 +13,9 @@ def linear(x, w, contract: int = 1, preferred_element_type=None):
   """(..., *in) x (*in, *out) -> (..., *out): the last `contract` axes of x with the first `contract` axes of w.
 
   With one row traced for CPU (a concurrency-1 decode step; `kernels.platform`: not a TPU program compiled on a CPU
-  host), the contraction is split into SPLIT_K contiguous slabs of w, multiplied as one batched product and summed: XLA runs the batch on both cores where its single matrix-vector
-  product scales 1.5x from one core to two. The reference decode shape's 57 products took 11.2 instead of 14.4 ms
+  host), the contraction is split into SPLIT_K contiguous slabs of w, multiplied as one batched product and summed:
+  XLA runs the batch on both cores where its single matrix-vector product scales 1.5x from one core to two. The
+  reference decode shape's 57 products took 11.2 instead of 14.4 ms
   (2-core Xeon); at 2 to 32 rows the split was 16-45% slower, so it is not used there.
   """
   batch_shape, in_shape, out_shape = x.shape[:-contract], w.shape[:contract], w.shape[contract:]
