@@ -51,10 +51,7 @@ def token_stats(model, hidden_BxTxD, tokens_BxT, temperature: float = 1.0, entro
 def _stats(logits_BxCxV, targets_BxC, entropy: bool):
   """(log p(target), entropy or None) per position of float32-able logits."""
   logp_BxC = token_logprobs(logits_BxCxV, targets_BxC)
-  if not entropy:
-    return logp_BxC, None
-  logq_BxCxV = jax.nn.log_softmax(logits_BxCxV.astype(jnp.float32), axis=-1)
-  return logp_BxC, -jnp.sum(jnp.exp(logq_BxCxV) * logq_BxCxV, axis=-1)
+  return logp_BxC, entropy_from_logits(logits_BxCxV) if entropy else None
 
 
 def _chunked_stats(logits_fn, hidden_BxTxD, targets_BxT, chunk: int, entropy: bool):
@@ -73,6 +70,12 @@ def _chunked_stats(logits_fn, hidden_BxTxD, targets_BxT, chunk: int, entropy: bo
   _, (logp_NxBxC, entropy_NxBxC) = jax.lax.scan(lambda c, xs: (c, one(*xs)), None, (hidden_NxBxCxD, targets_NxBxC))
   unchunk = lambda x_NxBxC: x_NxBxC.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
   return unchunk(logp_NxBxC), unchunk(entropy_NxBxC) if entropy else None
+
+
+def entropy_from_logits(logits_BxTxV: jax.Array) -> jax.Array:
+  """Entropy of the next-token distribution in nats, float32. Returns ent_BxT."""
+  logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
 
 
 def token_logprobs(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:

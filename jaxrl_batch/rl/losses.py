@@ -8,17 +8,11 @@ import jax
 import jax.numpy as jnp
 
 # Token log-probs live with the model; kept importable from here.
-from jaxrl_batch.model.logprobs import token_logprobs  # noqa: F401
+from jaxrl_batch.model.logprobs import entropy_from_logits, token_logprobs  # noqa: F401
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_MODES = ("truncate", "mask")
-
-
-def entropy_from_logits(logits_BxTxV: jax.Array) -> jax.Array:
-  """Entropy of the next-token distribution in nats, float32. Returns ent_BxT."""
-  logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-  return -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
 
 
 def masked_token_sum_mean(x_BxT: jax.Array, mask_BxT: jax.Array, num_tokens: jax.Array | int) -> jax.Array:
