@@ -29,7 +29,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_batch.kernels.platform import current_platform
-from jaxrl_batch.runtime.sharding import BATCH_AXES
+from jaxrl_batch.runtime.sharding import BATCH_AXES, dividing_axes
 
 BACKENDS = ("dense", "splash", "flash_gpu")
 HEAD_AXIS = "tensor"
@@ -99,16 +99,6 @@ def flash_gpu_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, *, interpr
   return out_BxTxNxH[:, :t]
 
 
-def _dividing(mesh, axes, size: int) -> tuple[str, ...]:
-  """The prefix-greedy subset of `axes` (those in the mesh with size > 1) whose product divides `size`."""
-  kept, prod = [], 1
-  for a in axes:
-    if a in mesh.shape and mesh.shape[a] > 1 and size % (prod * mesh.shape[a]) == 0:
-      kept.append(a)
-      prod *= mesh.shape[a]
-  return tuple(kept)
-
-
 def on_mesh(local_fn, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT):
   """`local_fn` (a backend's `*_local`) in a `jax.shard_map` over the ambient mesh, as the module docstring says;
   called directly without a mesh."""
@@ -117,8 +107,8 @@ def on_mesh(local_fn, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT):
     return local_fn(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
   b, _, n, _ = q_BxTxNxH.shape
   kv = k_BxTxKxH.shape[2]
-  rows = _dividing(mesh, BATCH_AXES, b) or None
-  heads = _dividing(mesh, (HEAD_AXIS,), n)
+  rows = dividing_axes(mesh, BATCH_AXES, b) or None
+  heads = dividing_axes(mesh, (HEAD_AXIS,), n)
   if heads:
     tp = mesh.shape[HEAD_AXIS]
     r = next(r for r in range(1, n // kv + 1) if (n // kv) % r == 0 and (kv * r) % tp == 0)

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_batch.model.layers import fan_in_normal, sharded_param
 from jaxrl_batch.model.linear import linear
+from jaxrl_batch.runtime import sharding
 
 # Mesh axes tokens may be split over, outermost first (`runtime.sharding.MESH_AXES` minus `tensor`).
 TOKEN_AXES = ("data", "fsdp", "expert")
@@ -119,16 +120,6 @@ def expert_swiglu(x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_d
   return jax.lax.platform_dependent(*args, cpu=looped_swiglu, default=grouped_swiglu)
 
 
-def _divides(mesh, axes, size: int) -> tuple[str, ...]:
-  """The prefix-greedy subset of `axes` (those in the mesh with size > 1) whose product divides `size`."""
-  kept, prod = [], 1
-  for a in axes:
-    if a in mesh.shape and mesh.shape[a] > 1 and size % (prod * mesh.shape[a]) == 0:
-      kept.append(a)
-      prod *= mesh.shape[a]
-  return tuple(kept)
-
-
 def sharded_swiglu(x_BxTxD, routing: Routing, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
   """`grouped_swiglu` of (B, T, D) tokens under the current mesh (see the module docstring); (B, T, D)."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -143,8 +134,8 @@ def sharded_swiglu(x_BxTxD, routing: Routing, w_gate_ExDxF, w_up_ExDxF, w_down_E
   if e % ep:
     raise ValueError(f"model.num_experts={e} is not a multiple of the mesh's expert axis ({ep}); set mesh.expert "
                      "to a divisor of the expert count.")
-  tokens = _divides(mesh, TOKEN_AXES, b)
-  tp = _divides(mesh, ("tensor",), f)
+  tokens = sharding.dividing_axes(mesh, TOKEN_AXES, b)
+  tp = sharding.dividing_axes(mesh, ("tensor",), f)
   rows = P(tokens or None)
   experts = "expert" if ep > 1 else None
   in_specs = (rows, rows, rows, P(experts, None, tp or None), P(experts, None, tp or None), P(experts, tp or None))

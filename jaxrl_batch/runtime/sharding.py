@@ -66,6 +66,16 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def dividing_axes(mesh, axes, size: int) -> tuple[str, ...]:
+  """The prefix-greedy subset of `axes` (those in the mesh with size > 1) whose product divides `size`."""
+  kept, prod = [], 1
+  for a in axes:
+    if a in mesh.shape and mesh.shape[a] > 1 and size % (prod * mesh.shape[a]) == 0:
+      kept.append(a)
+      prod *= mesh.shape[a]
+  return tuple(kept)
+
+
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], rules, mesh: Mesh) -> P:
   """PartitionSpec for one array. A mesh axis is dropped where it does not divide the dimension or is taken."""
   table = dict(rules)
