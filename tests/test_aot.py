@@ -1,16 +1,22 @@
 """`train.aot`: the trainer's programs compiled for a TPU slice this machine does not have (libtpu's compile-only
-devices), their memory per chip and costs; `launch.aot_check` writes them as JSON."""
+devices), their memory per chip and costs; `launch.aot_check` writes them as JSON. The same for GPU nodes (the JAX
+CUDA plugin's compile-only devices)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from configs import grpo_gsm8k_qwen
-from jaxrl_batch.runtime import topologies
+from jaxrl_batch.kernels import train_attention
+from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.train import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,3 +135,241 @@ def test_chunked_logits_and_rollout_blocks_compile_for_v5e():
     # Temporaries this small live in on-chip memory (0 bytes of HBM); the weights and prompts are arguments.
     assert rollout.status == "fits" and rollout.memory.peak_bytes > 0 and rollout.cost.flops > 0, rollout.verdict
     assert (f"{4 * slots} rows" if slots else "16 rows") in rollout.shape
+
+
+# GPU nodes: the JAX CUDA plugin's compile-only devices, from the target descriptions in jaxrl_batch/runtime/gpu_specs.
+
+
+@pytest.fixture(scope="module")
+def cuda_plugin():
+  """Skips (with the reason) where the JAX CUDA plugin is not installed or XLA finds no ptxas to compile with; a target
+  description the plugin refuses, or any other failure, fails the test instead."""
+  pytest.importorskip("jax_plugins.xla_cuda12", reason="the JAX CUDA plugin is not installed (pip install -e "
+                      "'.[cuda_aot]')")
+  try:
+    topologies.compile_only_gpu("h100", 1)
+  except ValueError as e:
+    if "needs the JAX CUDA plugin" in str(e) or "needs ptxas" in str(e):
+      pytest.skip(f"no compile-only H100 here: {e}")
+    raise
+
+
+@pytest.mark.parametrize("name", sorted(topologies.GPUS))
+def test_gpu_chips_are_their_target_descriptions(name):
+  """GPUS' figures are those of gpu_specs/<name>.txtpb: device kind, memory, bandwidth, and the tensor cores' dense
+  bf16 rate where the description has one (SMs x tensor cores x FMAs per clock x clock x 2)."""
+  text, chip = topologies.gpu_target_config(name), topologies.GPUS[name]
+  field = lambda key: re.search(rf"^\s*{key}: \"?([^\"\s]+(?: [^\"\s#]+)*)\"?", text, re.M).group(1)
+  assert field("name") == chip.device_kind and chip.platform == "cuda"
+  assert int(field("device_memory_size")) == chip.hbm_bytes
+  assert abs(int(field("memory_bandwidth")) / chip.hbm_bytes_per_s - 1) < 0.01
+  bf16 = re.search(r"key: 16 value \{ clock_rate_ghz: ([\d.]+) units_per_core: (\d+) ops_per_clock: (\d+)",
+                   text.split("matrix_unit_description")[-1])
+  if bf16:
+    flops = int(field("core_count")) * float(bf16[1]) * 1e9 * int(bf16[2]) * int(bf16[3]) * 2
+    assert abs(flops / chip.peak_bf16_flops - 1) < 0.01, flops
+
+
+def test_gpu_topology_names():
+  with pytest.raises(ValueError, match="unknown GPU"):
+    topologies.gpu_target_config("b200")
+  for bad in ("h100", "h100:x", "h100:2x2"):
+    with pytest.raises(ValueError, match="<gpu>:<GPUs per node>"):
+      topologies.compile_only(bad)
+  with pytest.raises(ValueError, match="h100:8"):  # The TPU parser's error names the GPUs too.
+    topologies.parse("b200:8")
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+def test_the_update_compiles_for_h100s_and_fits(monkeypatch):
+  """tiny_random on 2 H100s (fsdp=2): the update's memory per GPU from the GPU compiler, compared with the share of the
+  device JAX's allocator takes (XLA_CLIENT_MEM_FRACTION); no costs (GPU executables have no cost analysis)."""
+  monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+  config = grpo_gsm8k_qwen.get_config("model=tiny_random,mesh=1x2x1")
+  report = aot.check(config, "h100:2", programs=("update",), prompt_len=32, response_len=32)
+  hbm = int(0.9 * topologies.GPUS["h100"].hbm_bytes)
+  assert report.topology == dict(
+      name="h100:2", num_slices=1, num_chips=2, chip="h100", device_kind="NVIDIA H100 80GB HBM3",
+      hbm_bytes_per_chip=hbm, hbm_bytes_per_s=3352e9, peak_bf16_flops=989e12, platform="cuda",
+      device_memory_bytes=topologies.GPUS["h100"].hbm_bytes, memory_fraction=0.9)
+  assert report.mesh == dict(data=1, fsdp=2, expert=1, tensor=1)
+  update = report.program("update")
+  assert update.status == "fits" and update.verdict.startswith("fits with"), update.message
+  m = update.memory
+  assert m.temp_bytes > 0 and m.argument_bytes > 0 and m.alias_bytes > 0  # The state is donated.
+  assert m.peak_bytes == m.argument_bytes + m.output_bytes - m.alias_bytes + m.temp_bytes
+  assert m.peak_bytes <= m.total_bytes <= m.hbm_bytes == hbm
+  assert update.cost == aot.Cost(None, None, None)
+  assert "h100:2 x 1 node(s): 2 GPUs" in report.table()
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+def test_a_plan_too_big_for_an_h100_compiles_and_is_reported():
+  """The GPU compiler does not refuse a plan larger than the device (the TPU compiler's out-of-memory error): the
+  program compiles and its memory_analysis gives the verdict."""
+  config = grpo_gsm8k_qwen.get_config("model=tiny_random")
+  config.model.vocab_size = 40_000_000  # Logits and embedding gradients of a 40M-row table: > 100 GiB per GPU.
+  update = aot.check(config, "h100:1", programs=("update",), prompt_len=32, response_len=32).program("update")
+  assert update.status == "does_not_fit" and update.message == "", update.message
+  assert update.memory.total_bytes > update.memory.hbm_bytes and update.memory.argument_bytes > 0
+  assert update.verdict.startswith("does not fit") and any(k.startswith("micro_batch_size") for k in update.knobs)
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+def test_flash_gpu_compiled_for_h100s_needs_a_fraction_of_dense_temporaries():
+  """model.attention='auto' on a mesh of H100s is flash_gpu (Pallas Triton kernels, forward and backward): compiled
+  at Qwen2.5-1.5B's heads (12 query, 2 kv, head_dim 128), bf16, B=2, T=2048 on 2 GPUs with tensor=2, its temporaries
+  are a small fraction of the dense form's (B x 6 local heads x T x T float32 scores). Measured (jax-cuda12-plugin
+  0.10.2): dense 503,418,880 temporary bytes per GPU, flash_gpu 25,166,104 (kv heads repeated to 12, the backward's
+  residuals); at T=4096: 2,013,470,720 and 50,331,928."""
+  mesh = sharding.make_mesh(data=1, fsdp=1, tensor=2, devices=topologies.compile_only("h100:2").devices)
+  b, t, n, kv, h = 2, 2048, 12, 2, 128
+  rows = sharding.BATCH_AXES
+  specs = (P(rows, None, "tensor", None), P(rows, None, None, None), P(rows, None, None, None), P(rows, None),
+           P(rows, None, "tensor", None))
+  shapes = ((b, t, n, h), (b, t, kv, h), (b, t, kv, h), (b, t), (b, t, n, h))
+  dtypes = (jnp.bfloat16,) * 3 + (jnp.int32, jnp.bfloat16)
+  args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for s, d, p in zip(shapes, dtypes, specs)]
+
+  def compiled(backend):
+    def run(q, k, v, ids, ct):
+      out, vjp = jax.vjp(lambda q, k, v: train_attention.segment_attention(q, k, v, ids, backend=backend), q, k, v)
+      return out, vjp(ct)
+    with jax.set_mesh(mesh):
+      assert train_attention.resolve(backend) == ("flash_gpu" if backend == "auto" else backend)
+      lowered = jax.jit(run).lower(*args)
+    return lowered.as_text(), lowered.compile().memory_analysis().temp_size_in_bytes
+
+  flash_hlo, flash_temp = compiled("auto")
+  dense_hlo, dense_temp = compiled("dense")
+  triton = "__gpu$xla.gpu.triton"
+  assert flash_hlo.count(triton) >= 3 and triton not in dense_hlo  # mha's forward, and its dq and dk/dv kernels
+  assert dense_temp >= b * 6 * t * t * 4, dense_temp
+  assert flash_temp <= dense_temp // 10, (flash_temp, dense_temp)
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+def test_cli_compiles_for_gpu_nodes(tmp_path):
+  base = [sys.executable, "-m", "launch.aot_check", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
+          "--programs=update", "--prompt_tokens=32", "--response_tokens=32", f"--out={tmp_path}"]
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+  both = subprocess.run(base + ["--gpu=h100", "--topology=v5e:2x2"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120, check=False, env=env)
+  assert both.returncode != 0 and "exactly one of --topology" in both.stderr, both.stderr[-2000:]
+  done = subprocess.run(base + ["--gpu=a100", "--gpus=2", "--num_nodes=2"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300, check=False, env=env)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "2 node(s): 4 GPUs (NVIDIA A100-SXM4-80GB)" in done.stdout and "fits with" in done.stdout
+  with open(tmp_path / "aot_check.json") as f:
+    out = json.load(f)
+  topology, (update,) = out["topology"], out["programs"]
+  assert (topology["name"], topology["num_slices"], topology["num_chips"], topology["platform"]) == (
+      "a100:2", 2, 4, "cuda")
+  assert topology["memory_fraction"] == 0.75 and topology["hbm_bytes_per_chip"] == int(0.75 * 85_100_068_864)
+  assert out["mesh"] == dict(data=4, fsdp=1, expert=1, tensor=1)  # tiny_random: data=-1 over both nodes' GPUs
+  assert update["status"] == "fits" and update["memory"]["hbm_bytes"] == topology["hbm_bytes_per_chip"]
+  assert update["cost"] == dict(flops=None, bytes_accessed=None, optimal_seconds=None)
+
+
+# -- The continuous engine's programs, partial rollouts, the evaluation and the weight publish ---------------------
+
+
+def _tiny_with(**overrides):
+  """tiny_random with `overrides` ('group.key': value)."""
+  config = grpo_gsm8k_qwen.get_config("model=tiny_random")
+  for key, value in overrides.items():
+    group, _, name = key.rpartition(".")
+    (config[group] if group else config)[name] = value
+  return config
+
+
+@pytest.mark.usefixtures("libtpu")
+def test_continuous_engine_prefill_decode_and_eval_compile_for_v5e():
+  """The decode chunk's arguments hold the slot cache at its longest bucket (127 positions; the first bucket holds
+  64), so 2 more slots per chip add that cache's bytes, donated with the state; the prefill and the evaluation's
+  programs compile too, and the static engine's `rollout` is skipped."""
+  from jaxrl_batch.model import KVCache, ModelConfig  # pylint: disable=import-outside-toplevel
+  programs = ("rollout", "prefill", "decode", "eval_fill", "eval")
+  config = _tiny_with(**{"sampling.engine": "continuous", "sampling.slots": 2, "model.head_dim": 128})
+  report = aot.check(config, "v5e:2x2", programs=programs, prompt_len=32, response_len=96)
+  assert "prefill and decode" in report.program("rollout").verdict
+  for name in programs[1:]:
+    p = report.program(name)
+    assert p.status == "fits" and p.memory.argument_bytes > 0, (name, p.verdict)
+  decode, prefill, evaluation = report.program("decode"), report.program("prefill"), report.program("eval")
+  assert decode.function == evaluation.function == "jaxrl_batch.sampling.continuous._chunk"
+  assert prefill.function == "jaxrl_batch.sampling.continuous._prefill"
+  assert "8 slots, a slot cache of 127 positions, 16 requests" in decode.shape, decode.shape
+  assert "4 prompts x 32 tokens" in prefill.shape and "4 slots" in evaluation.shape, (prefill.shape, evaluation.shape)
+  # The step's 16 requests (tokens, log-probs, budgets...) exist before its prefill: resident beside the optimizer.
+  assert prefill.memory.resident_bytes > decode.memory.resident_bytes > 0
+  config.sampling.slots = 4
+  wider = aot.check(config, "v5e:2x2", programs=("decode",), prompt_len=32, response_len=96).program("decode")
+  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 32 + 96 - 1)  # 2 more slots per chip
+  grown = wider.memory.argument_bytes - decode.memory.argument_bytes
+  assert cache <= grown <= cache + 4096, (grown, cache)
+  assert cache <= wider.memory.alias_bytes - decode.memory.alias_bytes <= cache + 4096  # Donated: updated in place.
+
+
+@pytest.mark.usefixtures("libtpu")
+def test_paged_engine_pool_and_reprefill_compile_for_one_v5e_chip():
+  """The paged cache decodes on one chip: its pool is an argument of the decode chunk (24 more pages add their
+  bytes), a pool short of every slot at the longest length re-prefills preempted sequences (`reprefill`), and on 4
+  chips its programs are skipped, as the trainer refuses them."""
+  from jaxrl_batch.model import ModelConfig, PagedKVCache  # pylint: disable=import-outside-toplevel
+  config = _tiny_with(**{"sampling.engine": "continuous", "sampling.slots": 4, "sampling.page_size": 16,
+                    "sampling.pages": 6, "model.head_dim": 128})
+  skipped = aot.check(config, "v5e:2x2", programs=("decode", "eval"), prompt_len=32, response_len=32)
+  assert all(p.status == "skipped" and "one device" in p.verdict for p in skipped.programs), skipped.table()
+  report = aot.check(config, "v5e:1x1", programs=("decode", "reprefill"), prompt_len=32, response_len=32)
+  decode, reprefill = report.program("decode"), report.program("reprefill")
+  assert decode.status == reprefill.status == "fits", (decode.verdict, reprefill.verdict)
+  assert "a paged cache of 6 pages of 16 positions (+ 8 prompt pages" in decode.shape, decode.shape
+  assert reprefill.function == "jaxrl_batch.sampling.continuous._resume" and "31 tokens re-fed" in reprefill.shape
+  config.sampling.pages = 30
+  bigger = aot.check(config, "v5e:1x1", programs=("decode", "reprefill"), prompt_len=32, response_len=32)
+  assert "no paged pool short" in bigger.program("reprefill").verdict  # 4 slots x 2 pages fit: no preemption.
+  pages = PagedKVCache.bytes_for(ModelConfig.from_config(config.model), 24, 16)
+  grown = bigger.program("decode").memory.argument_bytes - decode.memory.argument_bytes
+  assert pages <= grown <= pages + 4096, (grown, pages)
+
+
+@pytest.mark.usefixtures("libtpu")
+def test_partial_rollouts_compile_their_prefill_decode_and_reprefill_for_v5e():
+  """rollout.partial: the call holds 8 carried + 2 steps x 16 new requests and 8 + 2 x 4 prompt rows; the
+  re-prefill of carried sequences returns a new slot cache (not donated: the old one is live meanwhile)."""
+  from jaxrl_batch.model import KVCache, ModelConfig  # pylint: disable=import-outside-toplevel
+  config = _tiny_with(**{"sampling.engine": "continuous", "sampling.slots": 2, "rollout.partial": True})
+  report = aot.check(config, "v5e:2x2", programs=("rollout", "prefill", "decode", "reprefill"), prompt_len=32,
+                     response_len=32)
+  assert "rollout.partial" in report.program("rollout").verdict
+  prefill, decode, reprefill = (report.program(name) for name in ("prefill", "decode", "reprefill"))
+  for p in (prefill, decode, reprefill):
+    assert p.status == "fits" and p.shape.startswith("partial rollouts"), (p.name, p.verdict)
+  assert "16 prompts x 32 tokens, for 40 requests on 8 slots" in prefill.shape, prefill.shape
+  assert "40 requests" in decode.shape and "31 tokens re-fed per slot" in reprefill.shape
+  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 63)  # 2 slots per chip, 63 positions
+  assert reprefill.memory.alias_bytes == 0 and reprefill.memory.output_bytes >= cache
+  assert decode.memory.alias_bytes >= cache
+
+
+@pytest.mark.usefixtures("libtpu")
+def test_static_eval_and_the_weight_publish_of_an_async_run_for_v5e():
+  """The evaluation's greedy pass compiles as the static engine's `generate` of the held-out rows; with
+  rl.max_staleness = 1 the publish is no program: its bytes (the policy per chip, copied) are reported, and the
+  update counts the generator's copy as resident; a held-out set of unknown size skips `eval`."""
+  config = _tiny_with(**{"rl.max_staleness": 1})
+  report = aot.check(config, "v5e:2x2", programs=("update", "eval", "publish", "decode"), prompt_len=32,
+                     response_len=32)
+  update, evaluation, publish = (report.program(name) for name in ("update", "eval", "publish"))
+  assert evaluation.status == "fits" and evaluation.function == "jaxrl_batch.sampling.generate.generate"
+  assert "4 held-out rows in blocks of 4" in evaluation.shape, evaluation.shape  # task.num_eval = 4 on 4 chips
+  assert publish.status == "fits" and "not compiled" in publish.verdict, publish.verdict
+  assert publish.compile_seconds is None and publish.cost is None
+  m = publish.memory
+  assert m.argument_bytes == m.output_bytes == update.memory.resident_bytes > 0 and "jnp.copy" in publish.message
+  assert m.peak_bytes == 2 * m.argument_bytes and m.resident_bytes > m.argument_bytes  # + the optimizer's moments
+  assert "static" in report.program("decode").verdict
+  config.rl.max_staleness, config.task.num_eval = 0, 0
+  report = aot.check(config, "v5e:2x2", programs=("eval", "publish"), prompt_len=32, response_len=32)
+  assert "task.num_eval" in report.program("eval").verdict and "max_staleness=0" in report.program("publish").verdict

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.rl.algorithm import AlgoConfig
-from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs
+from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs, split_micro_batches
 from jaxrl_batch.rl.critic import init_critic
 from jaxrl_batch.rl.learner import reference_logprobs
 from jaxrl_batch.rl.update import Models, update
@@ -208,3 +208,16 @@ def test_frozen_actor_trains_only_the_critic():
   assert "grad_norm" not in metrics and metrics["critic_grad_norm"] > 0 and metrics["value_loss"] > 0
   moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), before["critic"], after["critic"]))
   assert max(moved) > 0
+
+
+def test_each_micro_batch_is_spread_over_the_batch_axes():
+  """Micro-batch i is rows [8i, 8i + 8) and each of the 4 batch shards holds 2 of its rows, so that every device
+  computes its share of every micro-batch (a plain reshape left whole micro-batches on half the devices)."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")
+  mesh = sharding.make_mesh(2, 2, 2)  # data x fsdp: the batch split 4 ways
+  rows = jax.device_put(jnp.arange(16 * 3).reshape(16, 3), sharding.batch_sharding(mesh))
+  with jax.set_mesh(mesh):
+    micro = jax.jit(lambda x: split_micro_batches(x, 2))(rows)
+  np.testing.assert_array_equal(micro, np.arange(16 * 3).reshape(2, 8, 3))
+  assert micro.sharding.shard_shape(micro.shape) == (2, 2, 3)

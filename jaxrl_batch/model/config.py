@@ -51,6 +51,10 @@ class ModelConfig:
       kernel), "flash_gpu" (Pallas/Triton GPU kernel), or "auto" (dense on CPU, splash on TPU, flash_gpu on GPU; the
       platform of the mesh's devices). See `kernels.train_attention`. Changes memory and time; values up to
       rounding.
+    moe_chunk: tokens per grouped expert computation of an MoE layer (`moe.chunked_swiglu`): a device's tokens
+      (after gathering its expert group's) go through the experts this many at a time, so that the sorted
+      assignments (k rows of D per token) exist for one chunk at a time, and the backward pass recomputes them per
+      chunk. 0: all at once. Changes memory, not values.
   """
 
   vocab_size: int
@@ -78,6 +82,7 @@ class ModelConfig:
   logits_chunk: int = 1024
   remat: str = "none"
   attention: str = "auto"
+  moe_chunk: int = 16_384
 
   def __post_init__(self):
     object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -95,6 +100,8 @@ class ModelConfig:
         raise ValueError(f"model.{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}.")
     if self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk={self.logits_chunk} must be >= 0 (0 = the whole sequence at once).")
+    if self.moe_chunk < 0:
+      raise ValueError(f"model.moe_chunk={self.moe_chunk} must be >= 0 (0 = all of a device's tokens at once).")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat={self.remat!r} must be one of {sorted(REMAT_POLICIES)}.")
     if self.attention not in ("auto",) + ATTENTION_BACKENDS:

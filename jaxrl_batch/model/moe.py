@@ -120,15 +120,35 @@ def expert_swiglu(x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_d
   return jax.lax.platform_dependent(*args, cpu=looped_swiglu, default=grouped_swiglu)
 
 
-def sharded_swiglu(x_BxTxD, routing: Routing, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-  """`grouped_swiglu` of (B, T, D) tokens under the current mesh (see the module docstring); (B, T, D)."""
+def chunked_swiglu(x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, first_expert=0,
+                   chunk: int = 0):
+  """`expert_swiglu` of the N tokens `chunk` at a time (all at once if chunk is 0 or N <= chunk): each token's output
+  depends on its own row only, so the sum is the same, while the sorted assignments (N k rows of D) exist for one
+  chunk at a time; the backward pass recomputes each chunk's. Padding tokens route to no expert. Returns (N, D)."""
+  n, d = x_NxD.shape
+  args = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, first_expert)
+  if not chunk or n <= chunk:
+    return expert_swiglu(x_NxD, experts_NxK, weights_NxK, *args)
+  pad = -n % chunk
+  x_CxSxD = jnp.pad(x_NxD, ((0, pad), (0, 0))).reshape(-1, chunk, d)
+  experts_CxSxK = jnp.pad(experts_NxK, ((0, pad), (0, 0)), constant_values=-1)
+  weights_CxSxK = jnp.pad(weights_NxK, ((0, pad), (0, 0)))
+  k = experts_NxK.shape[-1]
+  run = jax.checkpoint(lambda xs: expert_swiglu(*xs, *args))
+  y_CxSxD = jax.lax.map(run, (x_CxSxD, experts_CxSxK.reshape(-1, chunk, k), weights_CxSxK.reshape(-1, chunk, k)))
+  return y_CxSxD.reshape(-1, d)[:n]
+
+
+def sharded_swiglu(x_BxTxD, routing: Routing, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, chunk: int = 0):
+  """`grouped_swiglu` of (B, T, D) tokens under the current mesh (see the module docstring), `chunk` tokens of a
+  device at a time (`chunked_swiglu`); (B, T, D)."""
   mesh = jax.sharding.get_abstract_mesh()
   b, t, d = x_BxTxD.shape
   k = routing.experts_NxK.shape[-1]
   experts_BxTxK, weights_BxTxK = (a.reshape(b, t, k) for a in routing[:2])
   if mesh.empty or mesh.size == 1:
-    return expert_swiglu(x_BxTxD.reshape(b * t, d), *(a.reshape(b * t, k) for a in (experts_BxTxK, weights_BxTxK)),
-                         w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD).reshape(b, t, d)
+    return chunked_swiglu(x_BxTxD.reshape(b * t, d), *(a.reshape(b * t, k) for a in (experts_BxTxK, weights_BxTxK)),
+                          w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, chunk=chunk).reshape(b, t, d)
   e, _, f = w_gate_ExDxF.shape
   ep = mesh.shape.get("expert", 1)
   if e % ep:
@@ -147,8 +167,8 @@ def sharded_swiglu(x_BxTxD, routing: Routing, w_gate_ExDxF, w_up_ExDxF, w_down_E
       x, experts_, weights_ = (jax.lax.all_gather(a, "expert", tiled=True) for a in (x, experts_, weights_))
     bl = x.shape[0]
     first = jax.lax.axis_index("expert") * w_gate.shape[0] if experts else 0
-    y = expert_swiglu(x.reshape(bl * t, d), experts_.reshape(bl * t, k), weights_.reshape(bl * t, k), w_gate, w_up,
-                      w_down, first).reshape(bl, t, d)
+    y = chunked_swiglu(x.reshape(bl * t, d), experts_.reshape(bl * t, k), weights_.reshape(bl * t, k), w_gate, w_up,
+                       w_down, first, chunk).reshape(bl, t, d)
     if tp:
       y = jax.lax.psum(y, tp)
     if gathered:
@@ -180,5 +200,6 @@ class MoE(nnx.Module):
     logits_NxE = linear(x_BxTxD.reshape(b * t, d), self.router[...].astype(dt), preferred_element_type=jnp.float32)
     replay = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
     routing = route(logits_NxE, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, replay)
-    y = sharded_swiglu(x_BxTxD, routing, *(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down)))
+    y = sharded_swiglu(x_BxTxD, routing, *(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down)),
+                       chunk=self.cfg.moe_chunk)
     return y, routing

@@ -2,7 +2,9 @@
 from typing import NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec as P
 
+from jaxrl_batch.runtime import sharding
 # Sequence log-probs live with the model; kept importable from here.
 from jaxrl_batch.model.logprobs import sequence_logprobs, shifted_logprobs  # noqa: F401
 
@@ -45,5 +47,16 @@ class TrainBatch(NamedTuple):
 
 
 def split_micro_batches(tree, num_micro: int):
-  """Reshapes every leaf (B, ...) -> (num_micro, B // num_micro, ...) for a scan over micro-batches."""
-  return jax.tree.map(lambda x: x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:]), tree)
+  """Reshapes every leaf (B, ...) -> (num_micro, B // num_micro, ...) for a scan over micro-batches: micro-batch i
+  is rows [i B / n, (i + 1) B / n). Under a mesh each micro-batch's rows are laid out over the batch axes (one
+  all-to-all of the batch), so that every device computes its share of every micro-batch rather than whole
+  micro-batches of its own rows (the plain reshape's layout: each device then ran a whole micro-batch)."""
+  mesh = jax.sharding.get_abstract_mesh()
+
+  def split(x):
+    rows = x.shape[0] // num_micro
+    x = x.reshape(num_micro, rows, *x.shape[1:])
+    axes = () if mesh.empty else sharding.dividing_axes(mesh, sharding.BATCH_AXES, rows)
+    return jax.lax.with_sharding_constraint(x, P(None, axes, *([None] * (x.ndim - 2)))) if axes else x
+
+  return jax.tree.map(split, tree)

@@ -128,6 +128,8 @@ def _row_keys(key, uid_S, index_S):
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _prefill(graphdef, params, prompt_QxP, valid_QxP) -> _Prefix:
+  """The engine's prefill program: the Q prompts' keys/values and each one's last-position logits, in one batch
+  (`train.aot` compiles it: programs `prefill` and `eval_fill`)."""
   model = nnx.merge(graphdef, params)
   q, p = prompt_QxP.shape
   valid_QxP = valid_QxP.astype(bool)
@@ -183,7 +185,8 @@ def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int, page
 def _starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0, page_size: int = 0,
              moe: bool = False):
   """`_start` jitted for a model of `layers` layers (`moe`: with MoE layers), its outputs' leading axes laid out
-  by `row_sharding` (if given; a paged cache lives on one device and takes none)."""
+  by `row_sharding` (if given; a paged cache lives on one device and takes none). `train.aot` compiles it for the
+  layout of the chunks' slots and outputs."""
   start = functools.partial(_start, slots=slots, length=length, pages=pages, page_size=page_size)
   if row_sharding is None or page_size:
     return jax.jit(start)
@@ -287,7 +290,8 @@ def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, 
   """Slots with resume_S >= 0 take that request, which holds count tokens in `outputs` (carried over from an
   earlier call, or preempted), re-prefilled under `params`: its prompt's prefix, then its first count - 1 tokens
   (count - 1 <= fed) written at slots P..P + fed - 1 (the last one chosen is fed by the next decode step). The
-  other slots are untouched. The cache must hold P + fed slots: a paged one through own pages `own_SxM`."""
+  other slots are untouched. The cache must hold P + fed slots: a paged one through own pages `own_SxM`.
+  (`train.aot` compiles it: program `reprefill`.)"""
   model = nnx.merge(graphdef, params)
   s, p = resume_S.shape[0], prefix.valid_QxP.shape[1]
   resumed_S = resume_S >= 0
@@ -318,7 +322,8 @@ def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, 
 def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key,
            own_SxM=None, *, steps: int, eos_id: int, sampling: SamplingParams):
   """Admits `admit_S` (a paged cache's slots then hold own pages `own_SxM`), then runs up to `steps` decode steps
-  of the live slots. Returns (state, outputs, steps run, tokens decoded), the last two int32 scalars."""
+  of the live slots. Returns (state, outputs, steps run, tokens decoded), the last two int32 scalars. The program
+  the host runs per chunk (`train.aot` compiles it: programs `decode` and `eval`)."""
   model = nnx.merge(graphdef, params)
   state, outputs = jax.lax.cond(
       jnp.any(admit_S != -1), functools.partial(_admit, eos_id=eos_id, sampling=sampling),

@@ -9,24 +9,42 @@ calls, with the static arguments it passes:
   reference  `rl.learner.reference_logprobs`: the frozen reference policy's log-probs (rl.kl_coef > 0).
   rollout    the static engine's `sampling.generate` (prefill and the whole decode loop), as
              `train.collector._sample` runs it for one block of all rows.
+  prefill    the continuous engine's `sampling.continuous._prefill`: the step's Q prompts (one per group; with
+             rollout.partial the call's prompt rows, `train.partial.capacity`) into the prefix store.
+  decode     the continuous engine's `sampling.continuous._chunk`: admission and `sampling.chunk` decode
+             steps of `slots` sequences, its KV cache at the longest length (the slot cache's last bucket), or with
+             sampling.page_size > 0 the paged cache's pool of `sampling.pages` pages.
+  reprefill  `sampling.continuous._resume`: sequences carried over (rollout.partial) or preempted (a paged pool
+             smaller than every slot at the longest length) re-prefilled under new weights, at the longest bucket.
+  eval_fill  the evaluation's prefill (`continuous._prefill` of the held-out prompts; continuous engine).
+  eval       the evaluation's greedy pass (`train.evaluation.evaluate`): the static engine's `generate` of its
+             rows (or blocks of `eval.slots` per chip), or the continuous engine's `decode_chunk` on `eval.slots`.
+  publish    the asynchronous run's weight publish (rl.max_staleness > 0, colocated): `jnp.copy` of every
+             parameter, not one program, reported by its bytes per chip (no compile, no cost).
 There is no copy of a program here: when the trainer's program changes, the check compiles the new one. A program
-the config's step does not run is reported as skipped, with the reason.
+the config's step does not run is reported as skipped, with the reason (also a rollout mesh of its own and the
+generator process: not compiled yet). The engine's inputs are laid out as the trainer's are: the prefix and the
+slots come from compiling `continuous._prefill` and `continuous._starter` and reading their output shardings.
 
 Per program and per chip: argument, output, alias and temporary bytes (`memory_analysis`), peak = arguments +
 outputs - aliases + temporaries, and resident = what the step holds in HBM meanwhile that is not an argument (the
-optimizer state during a rollout, the reference policy during an update). The verdict compares peak + resident
-with the chip's HBM. Flops, bytes accessed and optimal seconds are the compiler's (`cost_analysis`, per chip), and
-it counts the body of a loop without its trip count: the update's figures do not grow with its micro-batches (seen
-equal for 4, 16 and 64 of them), the rollout's hold the prefill and one step per decode segment; and it counts no
+optimizer state during a rollout, the reference policy during an update, the requests during a prefill, and with
+rl.max_staleness > 0 colocated the second copy of the policy). The verdict compares peak + resident with the
+chip's HBM; an asynchronous run's generation runs beside the update, and their peaks are not added. Flops, bytes
+accessed and optimal seconds are the compiler's (`cost_analysis`, per chip), and it counts the body of a loop
+without its trip count: the update's figures do not grow with its micro-batches (seen equal for 4, 16 and 64 of
+them), the rollout's hold the prefill and one step per decode segment, a decode chunk's one step; and it counts no
 flops inside Pallas kernels (splash attention). Compare them between settings of equal micro-batch count and
 attention, not as the time of a step. A plan too big for HBM is a compile error on TPU: it is reported as not
 fitting, with the figures of the compiler's message.
 """
 import dataclasses
 import datetime
+import functools
 import math
 import re
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +60,22 @@ from jaxrl_batch.rl import critic as critic_lib
 from jaxrl_batch.rl import learner, update
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.runtime import sharding, topologies
-from jaxrl_batch.sampling import generate
-from jaxrl_batch.train import collector
+from jaxrl_batch.sampling import SamplingParams, continuous, generate
+from jaxrl_batch.sampling.generate import cache_buckets
+from jaxrl_batch.train import collector, evaluation, partial
 from jaxrl_batch.train.setup import Experiment, packing_for
 
-PROGRAMS = ("update", "score", "reference", "rollout")
-# The function each program compiles (the rollout's: `sampling.generate` itself when it runs in blocks of slots).
+PROGRAMS = ("update", "score", "reference", "rollout", "prefill", "decode", "reprefill", "eval_fill", "eval",
+            "publish")
+# The function each program compiles (the rollout's: `sampling.generate` itself when it runs in blocks of slots; the
+# eval's: `continuous._chunk` with the continuous engine). The publish is no program: the copy of its bytes.
 FUNCTIONS = dict(update="jaxrl_batch.rl.update.update", score="jaxrl_batch.rl.update.score",
-                 reference="jaxrl_batch.rl.learner.reference_logprobs", rollout="jaxrl_batch.train.collector._sample")
+                 reference="jaxrl_batch.rl.learner.reference_logprobs", rollout="jaxrl_batch.train.collector._sample",
+                 prefill="jaxrl_batch.sampling.continuous._prefill",
+                 decode="jaxrl_batch.sampling.continuous._chunk",
+                 reprefill="jaxrl_batch.sampling.continuous._resume",
+                 eval_fill="jaxrl_batch.sampling.continuous._prefill", eval="jaxrl_batch.sampling.generate.generate",
+                 publish="jaxrl_batch.train.async_collector.AsyncCollector._publish")
 SCHEMA_VERSION = 1
 GIB = 2**30
 
@@ -118,8 +144,15 @@ class Report:
     fmt = "{:<10}" + "{:>10}" * (len(head) - 1)
     gib = lambda x: "-" if x is None else f"{x / GIB:.2f}"
     num = lambda x, scale, digits: "-" if x is None else f"{x / scale:.{digits}f}"
-    lines = [f"{self.topology['name']} x {self.topology['num_slices']} slice(s): {self.topology['num_chips']} chips "
-             f"({self.topology['device_kind']}), mesh {self.mesh}; sizes in GiB per chip", fmt.format(*head)]
+    if self.topology.get("platform", "tpu") == "tpu":
+      title = (f"{self.topology['name']} x {self.topology['num_slices']} slice(s): {self.topology['num_chips']} "
+               f"chips ({self.topology['device_kind']}), mesh {self.mesh}; sizes in GiB per chip")
+    else:  # GPU nodes: HBM is the allocator's share of the device; no cost analysis.
+      title = (f"{self.topology['name']} x {self.topology['num_slices']} node(s): {self.topology['num_chips']} GPUs "
+               f"({self.topology['device_kind']}), mesh {self.mesh}; sizes in GiB per GPU, HBM = "
+               f"{self.topology['memory_fraction']:.0%} of {self.topology['device_memory_bytes'] / GIB:.2f} GiB "
+               "(XLA_CLIENT_MEM_FRACTION); no compiler costs on GPU")
+    lines = [title, fmt.format(*head)]
     for p in self.programs:
       m = p.memory or Memory(*([None] * 9))
       c = p.cost or Cost(None, None, None)
@@ -200,6 +233,7 @@ class _Step:
   models: update.Models
   state: dict
   ref_params: dict | None
+  memo: dict = dataclasses.field(default_factory=dict)  # The engine's inputs, laid out once (`_engine_inputs`).
 
   @classmethod
   def build(cls, exp: Experiment) -> "_Step":
@@ -249,7 +283,7 @@ def _program_update(step: _Step):
   batch = step.train_batch(m.mini_batch_size)
   noise_ids = step.rows((m.mini_batch_size, 2), jnp.int32) if algo.noise_split else None
   kl_coef = _struct((), jnp.float32, sharding.replicated(exp.mesh))
-  resident = step.resident("ref")
+  resident = step.resident("ref") + _async_copy(step)
   if algo.updates_per_step > 1:  # The step's whole batch stays while its mini-batches are trained on.
     resident += _per_chip_bytes(step.train_batch(m.batch_size))
   if exp.packing is None:
@@ -274,7 +308,7 @@ def _program_score(step: _Step):
           step.rows((b, step.length), bool), step.rows((b, step.length), bool), step.experts(b))
   kwargs = dict(models=step.models, cfg=algo, need_policy=need_policy, packing=exp.packing,
                 num_micro=m.score_num_micro)
-  resident = step.resident("opt_state", "critic_opt_state", "ref")
+  resident = step.resident("opt_state", "critic_opt_state", "ref") + _async_copy(step)
   return update.score, args, kwargs, resident, _forward_shape(step, b)
 
 
@@ -287,7 +321,7 @@ def _program_reference(step: _Step):
           step.rows((b, step.length), bool))
   kwargs = dict(graphdef=step.models.graphdef, temperature=m.algo.temperature, packing=exp.packing,
                 num_micro=m.score_num_micro)
-  resident = step.resident("params", "opt_state", "critic", "critic_opt_state")
+  resident = step.resident("params", "opt_state", "critic", "critic_opt_state") + _async_copy(step)
   return learner.reference_logprobs, args, kwargs, resident, _forward_shape(step, b)
 
 
@@ -301,15 +335,16 @@ def _forward_shape(step: _Step, rows: int) -> str:
 def _program_rollout(step: _Step):
   exp, m = step.exp, step.exp.member
   sampling, config = exp.sampling, exp.config
-  if config.get("rollout") is not None and config.rollout.get("partial", False):
-    return "rollout.partial (the continuous engine's chunks) is not compiled yet"
-  if config.get("rollout_mesh") is not None and (config.rollout_mesh.devices or config.rollout_mesh.process_cores):
-    return "rollout_mesh (generation on devices of its own) is not compiled yet"
+  elsewhere = _generator_elsewhere(config)
+  if elsewhere:
+    return elsewhere
+  if _partial(config):
+    return "rollout.partial: the continuous engine's programs run (prefill, decode, reprefill)"
   if sampling.engine != "static":
-    return f"sampling.engine={sampling.engine!r}: only the static engine is compiled yet"
+    return f"sampling.engine={sampling.engine!r}: its programs are prefill and decode"
   slots = sampling.slots * sharding.data_parallel_size(exp.mesh)
   rows = slots if slots and slots < m.batch_size else m.batch_size
-  eos_id, pad_id = (exp.stop_id, exp.tokenizer.pad_id) if exp.tokenizer is not None else (1, 0)
+  eos_id, pad_id = _stop_ids(exp)
   kwargs = dict(max_new_tokens=exp.response_len, eos_id=eos_id, pad_id=pad_id, sampling=sampling,
                 group_size=m.group_size)
   prompts = (step.rows((rows, exp.prompt_len), jnp.int32), step.rows((rows, exp.prompt_len), bool))
@@ -319,13 +354,323 @@ def _program_rollout(step: _Step):
   else:  # Blocks of `slots` rows, each a call of `generate` (`sampling.engine.rollout`).
     fn, key = generate, _struct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding.replicated(exp.mesh))
   args = (step.models.graphdef, step.state["params"], *prompts, key)
-  resident = step.resident("opt_state", "critic", "critic_opt_state", "ref")
+  resident = _rollout_resident(step)
   shape = (f"{rows} rows x {exp.prompt_len} prompt tokens (one prefill per group of {m.group_size}), up to "
            f"{exp.response_len} new tokens")
   return fn, args, kwargs, resident, shape
 
 
-BUILDERS = dict(update=_program_update, score=_program_score, reference=_program_reference, rollout=_program_rollout)
+def _partial(config: ml_collections.ConfigDict) -> bool:
+  return config.get("rollout") is not None and bool(config.rollout.get("partial", False))
+
+
+def _generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
+  """Why the step's generation is not compiled on this mesh (a rollout mesh or a process of its own), or None."""
+  rollout = config.get("rollout_mesh")
+  if rollout is not None and rollout.get("process_cores", ""):
+    return (f"rollout_mesh.process_cores={rollout.process_cores!r}: generation runs in a CPU process of its own "
+            "(`train.generator_process`), the weights shipped to it as host arrays")
+  if rollout is not None and rollout.get("devices", 0):
+    return (f"rollout_mesh.devices={rollout.devices} (generation on chips of its own) is not compiled yet: the "
+            "check builds one mesh over every chip")
+  return None
+
+
+def _async_copy(step: _Step) -> int:
+  """Per-chip bytes of the policy's second copy in an asynchronous colocated run (rl.max_staleness > 0): the
+  generator decodes with the policy published after an update (`AsyncCollector._publish`) while the learner holds
+  its own; 0 otherwise. Steps queued and not started yet hold theirs too (up to rl.max_staleness): not counted."""
+  config = step.exp.config
+  if step.exp.member.algo.max_staleness < 1 or _generator_elsewhere(config) or _partial(config):
+    return 0
+  return _per_chip_bytes(step.state["params"])
+
+
+def _rollout_resident(step: _Step) -> int:
+  """What the learner leaves in HBM while the policy decodes (a rollout, or the evaluation): its state but the
+  policy passed, and an asynchronous run's other copy of the policy."""
+  return step.resident("opt_state", "critic", "critic_opt_state", "ref") + _async_copy(step)
+
+
+def _stop_ids(exp: Experiment) -> tuple[int, int]:
+  """(eos_id, pad_id) the trainer passes (static arguments: any ids compile the same program without a tokenizer)."""
+  return (exp.stop_id, exp.tokenizer.pad_id) if exp.tokenizer is not None else (1, 0)
+
+
+def _key(exp: Experiment):
+  """A PRNG key, replicated (`collector._sampling_key`'s output; the evaluation's fixed keys)."""
+  return _struct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding.replicated(exp.mesh))
+
+
+def _eval_rows(step: _Step) -> int | str:
+  """Rows of the evaluation's greedy pass: the held-out problems (the task's; without its data, task.num_eval, an
+  upper bound with task.eval_path), padded to the data-parallel size as `evaluation.evaluate` pads them; or why
+  they are unknown."""
+  exp = step.exp
+  if exp.task is not None:
+    n = len(exp.task.eval_problems())
+  else:
+    n = exp.config.task.get("num_eval", 0)
+    if not n:
+      return ("the held-out set's size needs the task's data (the config has no task.num_eval): give no lengths, or "
+              "set task.num_eval")
+  return n + min(n, -n % sharding.data_parallel_size(exp.mesh))  # problems + problems[:-n % dp]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One call of the continuous engine (`continuous.decode`) as the trainer makes it: `prompts` (Q) prompt rows
+  prefilled, `requests` (R) decoded on `slots` (S, all chips) with `sampling`, groups of `group_size` requests
+  sharing a prompt; `carried`: partial rollouts (`train.partial`: prompts uploaded replicated, sequences carried)."""
+  what: str
+  sampling: SamplingParams
+  prompts: int
+  requests: int
+  slots: int
+  group_size: int
+  carried: bool
+
+
+def _engine_call(step: _Step, evaluating: bool) -> _Call | str:
+  """The engine's call for the step's rollout (`Collector`, `PartialCollector`) or, `evaluating`, for the
+  evaluation's greedy pass; or why the continuous engine does not run it on this mesh."""
+  exp, m, config = step.exp, step.exp.member, step.exp.config
+  dp = sharding.data_parallel_size(exp.mesh)
+  if evaluating:
+    rows = _eval_rows(step)
+    if isinstance(rows, str):
+      return rows
+    engine = evaluation.engine_for(exp, evaluation.EvalConfig.from_config(config))
+    call = _Call("the evaluation's greedy pass", dataclasses.replace(engine, temperature=0.0), rows, rows,
+                 engine.slots or rows, 1, False)
+  else:
+    elsewhere = _generator_elsewhere(config)
+    if elsewhere:
+      return elsewhere
+    slots = exp.sampling.slots * dp or m.batch_size
+    if _partial(config):
+      requests, prompts = partial.capacity(slots, m.batch_size, m.num_prompts, config.rollout.max_lookahead)
+      call = _Call("partial rollouts", exp.sampling, prompts, requests, slots, m.group_size, True)
+    else:
+      call = _Call("the step's rollout", exp.sampling, m.num_prompts, m.batch_size, slots, m.group_size, False)
+  if call.sampling.engine != "continuous":
+    if call.carried:
+      return "rollout.partial needs sampling.engine='continuous' (the trainer refuses this config)"
+    return (f"sampling.engine={call.sampling.engine!r}: the {'evaluation' if evaluating else 'rollout'} is one "
+            f"program, `{'eval' if evaluating else 'rollout'}`")
+  if call.sampling.page_size and exp.mesh.size > 1:
+    return (f"sampling.page_size={call.sampling.page_size} (a paged KV cache) decodes on one device: the trainer "
+            f"refuses this mesh of {exp.mesh.size} chips")
+  return call
+
+
+def _laid_out(step: _Step, fn, *args, **kwargs):
+  """The outputs of jitted `fn` on `args` as the trainer holds them: sharded structs with the shapes, dtypes and
+  shardings of its compiled program's outputs; or, where it does not compile, a str saying so."""
+  try:
+    with jax.set_mesh(step.exp.mesh):
+      out = fn.lower(*args, **kwargs).compile().out_info
+  except Exception as e:  # pylint: disable=broad-except  # The program that needs these inputs is skipped, saying why.
+    name = getattr(fn, "__name__", "the program that makes them")
+    return f"its inputs come from {name}, which did not compile: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return jax.tree.map(lambda x: _struct(x.shape, x.dtype, x.sharding), out)
+
+
+def _engine_prompts(step: _Step, call: _Call):
+  """(prompt_QxP, valid_QxP, requests) as `continuous.decode` receives them; a str where they cannot be laid out."""
+  exp, c = step.exp, call.sampling.page_size
+  p = exp.prompt_len + (-exp.prompt_len % c if c else 0)  # A paged cache's prompts are left-padded to whole pages.
+  rows = functools.partial(sharding.batch_sharding, exp.mesh)
+  if call.carried:  # `PartialCollector` uploads the call's prompt rows replicated.
+    layout = sharding.replicated(exp.mesh)
+  elif call.group_size == 1:  # The batch-sharded rows themselves (prompt_BxP[::1] is prompt_BxP).
+    layout = rows(2)
+  else:  # One row per group, as `generate_continuous` slices the step's rows: prompt_BxP[::G].
+    sliced = _laid_out(step, jax.jit(lambda x: x[::call.group_size]),
+                       step.rows((call.requests, exp.prompt_len), jnp.int32))
+    if isinstance(sliced, str):
+      return sliced
+    layout = sliced.sharding
+  r, n = call.requests, exp.response_len
+  i32 = lambda *shape: _struct(shape, jnp.int32, rows(len(shape)))
+  requests = continuous.Requests(i32(r), i32(r), i32(r), i32(r, n), _struct((r, n), jnp.float32, rows(2)), i32(r))
+  return _struct((call.prompts, p), jnp.int32, layout), _struct((call.prompts, p), bool, layout), requests
+
+
+# pylint: disable=protected-access
+# The continuous engine's programs are private to `sampling.continuous` (`tests/test_export.py` exports them too).
+
+
+def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
+  """Every argument of the engine's chunk, laid out as the trainer's are (the prefix by compiling
+  `continuous._prefill`, the slots and outputs by compiling `continuous._starter`), with the cache at its longest:
+  the slot cache's last bucket, or the paged cache's whole pool and every slot's longest page row. Memoised on the
+  step; a str where the engine does not run or its inputs do not compile."""
+  key = ("engine", evaluating)
+  if key in step.memo:
+    return step.memo[key]
+  step.memo[key] = call = _engine_call(step, evaluating)
+  prompts = call if isinstance(call, str) else _engine_prompts(step, call)
+  if isinstance(prompts, str):
+    step.memo[key] = prompts
+    return prompts
+  exp, sampling = step.exp, call.sampling
+  prompt_QxP, valid_QxP, requests = prompts
+  prefix = _laid_out(step, continuous._prefill, step.models.graphdef, step.state["params"], prompt_QxP, valid_QxP)
+  if isinstance(prefix, str):
+    step.memo[key] = prefix
+    return prefix
+  layers, moe = len(prefix.cache.k_layers), prefix.experts_QxPxLxK is not None
+  n, c, s, p = exp.response_len, sampling.page_size, call.slots, prompt_QxP.shape[1]
+  if c:
+    own = -(-(n - 1) // c)  # Own pages of a sequence at the longest length.
+    pool, length = sampling.pages or s * own, 0
+    if pool < own:
+      step.memo[key] = f"sampling.pages={pool} cannot hold one sequence of {n - 1} tokens: the engine refuses it"
+      return step.memo[key]
+    start = continuous._starter(s, 0, layers, None, pool, c, moe)
+  else:
+    own = pool = 0
+    with jax.set_mesh(exp.mesh):  # "auto" stands for the backend of the mesh's chips.
+      length = cache_buckets(p, n, sampling.backend)[-1]
+    start = continuous._starter(s, length, layers, functools.partial(sharding.batch_sharding, exp.mesh), moe=moe)
+  started = _laid_out(step, start, prefix, requests)
+  if isinstance(started, str):
+    step.memo[key] = started
+    return started
+  state, outputs = started
+  live = state.live_S.sharding  # The per-chunk uploads (`transfer.to_device("admit", ...)`) take the slots' layout.
+  step.memo[key] = dict(
+      call=call, requests=requests, state=state, outputs=outputs, key=_key(exp), length=length, pool=pool,
+      own_pages=own, prefix=prefix._replace(cache=None) if c else prefix,  # A paged prefix lives in the pool.
+      slots_S=_struct((s,), jnp.int32, live), own_SxM=_struct((s, own), jnp.int32, live) if c else None)
+  return step.memo[key]
+
+
+def _engine_shape(step: _Step, inputs: dict) -> str:
+  call, p = inputs["call"], step.exp.prompt_len
+  c = call.sampling.page_size
+  if c:
+    cache = (f"a paged cache of {inputs['pool']} pages of {c} positions (+ {call.prompts * -(-p // c)} prompt pages "
+             "and the trash page)")
+  else:
+    cache = f"a slot cache of {inputs['length']} positions"
+  return (f"{call.what}: {call.slots} slots, {cache}, {call.requests} requests of up to {step.exp.response_len} "
+          f"tokens, chunks of {call.sampling.chunk} decode steps")
+
+
+def _program_prefill(step: _Step, evaluating: bool = False):
+  call = _engine_call(step, evaluating)
+  prompts = call if isinstance(call, str) else _engine_prompts(step, call)
+  if isinstance(prompts, str):
+    return prompts
+  prompt_QxP, valid_QxP, requests = prompts
+  args = (step.models.graphdef, step.state["params"], prompt_QxP, valid_QxP)
+  resident = _rollout_resident(step) + _per_chip_bytes(requests)  # The requests exist before the prefill.
+  shape = (f"{call.what}: {call.prompts} prompts x {prompt_QxP.shape[1]} tokens, for {call.requests} requests on "
+           f"{call.slots} slots")
+  return continuous._prefill, args, {}, resident, shape
+
+
+def _program_decode(step: _Step, evaluating: bool = False):
+  inputs = _engine_inputs(step, evaluating)
+  if isinstance(inputs, str):
+    return inputs
+  sampling = inputs["call"].sampling
+  args = (step.models.graphdef, step.state["params"], inputs["state"], inputs["outputs"], inputs["prefix"],
+          inputs["requests"], inputs["slots_S"], inputs["key"], inputs["own_SxM"])
+  kwargs = dict(steps=sampling.chunk, eos_id=_stop_ids(step.exp)[0], sampling=sampling)
+  return continuous._chunk, args, kwargs, _rollout_resident(step), _engine_shape(step, inputs)
+
+
+def _program_reprefill(step: _Step):
+  exp = step.exp
+  call = _engine_call(step, False)
+  if isinstance(call, str):
+    return call
+  n, c, pages = exp.response_len, call.sampling.page_size, call.sampling.pages
+  short = c and pages and pages < call.slots * -(-(n - 1) // c)  # Preemption: some sequences give their pages back.
+  if not (call.carried or short):
+    return ("no sequence is re-prefilled: no partial rollouts (rollout.partial) and no paged pool short of every "
+            "slot at the longest length (sampling.pages)")
+  if n < 2:
+    return "a response budget of one token: no sequence is ever carried"
+  inputs = _engine_inputs(step, False)
+  if isinstance(inputs, str):
+    return inputs
+  fed = continuous.fed_bucket(n - 1, n)  # The longest re-prefill: a sequence one token short of the budget.
+  args = (step.models.graphdef, step.state["params"], inputs["state"], inputs["outputs"], inputs["prefix"],
+          inputs["requests"], inputs["slots_S"], inputs["own_SxM"])
+  shape = f"{_engine_shape(step, inputs)}; {fed} tokens re-fed per slot"
+  return continuous._resume, args, dict(fed=fed), _rollout_resident(step), shape
+
+
+# pylint: enable=protected-access
+
+
+def _program_eval_fill(step: _Step):
+  return _program_prefill(step, evaluating=True)
+
+
+def _program_eval(step: _Step):
+  exp = step.exp
+  rows = _eval_rows(step)
+  if isinstance(rows, str):
+    return rows
+  settings = evaluation.EvalConfig.from_config(exp.config)
+  engine = evaluation.engine_for(exp, settings)
+  if engine.engine == "continuous":
+    return _program_decode(step, evaluating=True)
+  slots = engine.slots
+  if slots and (rows % slots or slots % max(settings.num_samples, 1)):
+    return (f"eval.slots={settings.slots}: the static engine's blocks of {slots} rows must divide the {rows} held-out "
+            "rows (and be a multiple of eval.num_samples): the trainer refuses this config")
+  block = min(slots or rows, rows)
+  eos_id, pad_id = _stop_ids(exp)
+  kwargs = dict(max_new_tokens=exp.response_len, eos_id=eos_id, pad_id=pad_id,
+                sampling=dataclasses.replace(engine, temperature=0.0), group_size=1)
+  args = (step.models.graphdef, step.state["params"], step.rows((block, exp.prompt_len), jnp.int32),
+          step.rows((block, exp.prompt_len), bool), _key(exp))
+  shape = (f"the evaluation's greedy pass: {rows} held-out rows in blocks of {block} x {exp.prompt_len} prompt "
+           f"tokens, up to {exp.response_len} new tokens")
+  return generate, args, kwargs, _rollout_resident(step), shape
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copy:
+  """A copy the step makes without a program of ours (the weight publish): its bytes per chip (source, copy), what
+  stays resident meanwhile, and how it is made; judged like a compiled program's memory."""
+  source_bytes: int
+  copy_bytes: int
+  resident: int
+  shape: str
+  how: str
+
+  def stats(self):
+    """`memory_analysis`'s fields for it: the source is the argument, the copy the output."""
+    return types.SimpleNamespace(argument_size_in_bytes=self.source_bytes, output_size_in_bytes=self.copy_bytes,
+                                 alias_size_in_bytes=0, temp_size_in_bytes=0)
+
+
+def _program_publish(step: _Step):
+  exp, config = step.exp, step.exp.config
+  if exp.member.algo.max_staleness < 1:
+    return "rl.max_staleness=0: generation uses the learner's own policy, nothing is published"
+  if _partial(config):
+    return "rollout.partial with rl.max_staleness > 0: the trainer refuses this config"
+  elsewhere = _generator_elsewhere(config)
+  if elsewhere:
+    return elsewhere
+  params = _per_chip_bytes(step.state["params"])
+  shape = (f"the policy's {exp.model_cfg.num_params() / 1e6:.1f}M parameters ({params / GIB:.3f} GiB per chip) copied "
+           "on the learner's chips")
+  how = "`AsyncCollector._publish` copies each parameter (`jnp.copy`): no program of ours, so no compile and no cost"
+  return _Copy(params, params, _rollout_resident(step), shape, how)
+
+
+BUILDERS = dict(update=_program_update, score=_program_score, reference=_program_reference, rollout=_program_rollout,
+                prefill=_program_prefill, decode=_program_decode, reprefill=_program_reprefill,
+                eval_fill=_program_eval_fill, eval=_program_eval, publish=_program_publish)
 
 
 _OOM_PATTERNS = (
@@ -348,6 +693,7 @@ def parse_oom(message: str) -> tuple[int, int] | None:
 
 
 def _cost(compiled) -> Cost:
+  # GPU executables give None: reported as such (`check`'s docstring says why not XLA's generic HLO cost analysis).
   costs = compiled.cost_analysis()
   if isinstance(costs, list | tuple):
     costs = costs[0] if costs else None
@@ -364,9 +710,25 @@ def _knobs(name: str, exp: Experiment) -> list[str]:
   dp = sharding.data_parallel_size(exp.mesh)
   mesh = (f"mesh (now data={exp.mesh.shape['data']}, fsdp={exp.mesh.shape['fsdp']}, "
           f"tensor={exp.mesh.shape['tensor']}): more fsdp or tensor shards the parameters further")
+  budget = "the response budget (task.max_response_tokens)"
   if name == "rollout":
-    return [f"sampling.slots (now {exp.sampling.slots}; sequences decoded at once per chip)",
-            "the response budget (task.max_response_tokens)", mesh]
+    return [f"sampling.slots (now {exp.sampling.slots}; sequences decoded at once per chip)", budget, mesh]
+  if name in ("decode", "reprefill"):
+    c = exp.sampling.page_size
+    pages = (f"sampling.pages (now {exp.sampling.pages}; the paged pool per chip, 0 = every slot at the longest "
+             "length)" if c else "sampling.page_size (now 0; > 0 pages the cache: memory follows the live tokens)")
+    return [f"sampling.slots (now {exp.sampling.slots}; sequences in flight per chip)", pages, budget, mesh]
+  if name == "eval":
+    return [f"eval.slots (now {evaluation.EvalConfig.from_config(config).slots}; held-out sequences decoded at once "
+            "per chip, 0 = all)", budget, mesh]
+  if name == "prefill":
+    ahead = (f"; rollout.max_lookahead (now {config.rollout.max_lookahead}) adds a step's prompts each"
+             if _partial(config) else "")
+    return [f"the prompts prefilled at once (now {m.num_prompts} per step{ahead})", mesh]
+  if name == "eval_fill":
+    return ["task.num_eval (the held-out prompts, prefilled at once)", mesh]
+  if name == "publish":
+    return [f"rl.max_staleness (now {m.algo.max_staleness}; 0 = no second copy of the policy)", mesh]
   knobs = []
   if exp.packing is not None:
     knobs.append(f"micro_batch_tokens (now {config.micro_batch_tokens})")
@@ -398,6 +760,12 @@ def _compile_one(name: str, step: _Step, hbm: int) -> ProgramReport:
   if isinstance(built, str):
     report.verdict = f"skipped: {built}"
     return report
+  if isinstance(built, _Copy):  # No program of ours: its bytes, judged as a program's memory.
+    report.shape, report.message = built.shape, built.how
+    report.memory = _memory(built.stats(), built.resident, hbm)
+    report = _judge(report, name, step.exp, hbm)
+    report.verdict += " (not compiled: the bytes it copies)"
+    return report
   fn, args, kwargs, resident, report.shape = built
   report.function = f"{fn.__module__}.{fn.__name__}"
   start = time.perf_counter()
@@ -421,6 +789,11 @@ def _compile_one(name: str, step: _Step, hbm: int) -> ProgramReport:
   report.compile_seconds = time.perf_counter() - start
   report.memory = _memory(compiled.memory_analysis(), resident, hbm)
   report.cost = _cost(compiled)
+  return _judge(report, name, step.exp, hbm)
+
+
+def _judge(report: ProgramReport, name: str, exp: Experiment, hbm: int) -> ProgramReport:
+  """The report's status, verdict and (below 10% headroom) knobs from its memory."""
   m = report.memory
   if m.total_bytes <= hbm:
     report.status = "fits"
@@ -430,15 +803,21 @@ def _compile_one(name: str, step: _Step, hbm: int) -> ProgramReport:
     report.status = "does_not_fit"
     report.verdict = f"does not fit: {m.total_bytes / GIB:.2f} GiB per chip, {hbm / GIB:.2f} GiB of HBM"
   if m.headroom_frac < 0.1:
-    report.knobs = _knobs(name, step.exp)
+    report.knobs = _knobs(name, exp)
   return report
 
 
 def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1, programs=PROGRAMS,
           prompt_len: int = 0, response_len: int = 0, log=None) -> Report:
   """Compiles `programs` (names in PROGRAMS) of one RL step of `config` for `num_slices` slices of TPU `topology`
-  ('v5p:2x2x1', 'v5e:2x2', 'v6e:4x4'), with the config's mesh over its chips, and reports each one's memory and
-  costs per chip.
+  ('v5p:2x2x1', 'v5e:2x2', 'v6e:4x4'), or for `num_slices` nodes of GPUs ('h100:8': 8 H100s per node; h200, a100),
+  with the config's mesh over its chips, and reports each one's memory and costs per chip.
+
+  GPUs (`runtime.topologies.compile_only_gpu`): XLA's GPU compiler, without autotuning (no device to time kernels
+  on), counting cuDNN workspaces as 0. It does not refuse a plan larger than the device: the verdict compares the
+  plan with the memory JAX's allocator would have (the device's x XLA_CLIENT_MEM_FRACTION, default 0.75). Its
+  executables have no cost analysis: the costs are None (XLA's generic HLO cost analysis would count no flops in the
+  cuBLAS GEMMs, cuDNN and Triton kernels, which are most of a step's).
 
   prompt_len, response_len: the step's token lengths; 0 = as the trainer computes them (`train.setup.Experiment`:
   that reads the tokenizer and the task's data). `log`: called with each program's report as it completes.
@@ -451,14 +830,16 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
   step = _Step.build(exp)
   results = []
   for name in programs:
-    results.append(_compile_one(name, step, topo.chip.hbm_bytes))
+    results.append(_compile_one(name, step, topo.hbm_bytes))
     if log is not None:
       log(results[-1])
   chip = topo.chip
   m, cfg = exp.member, exp.model_cfg
   topology_json = dict(name=topo.name, num_slices=topo.num_slices, num_chips=topo.num_chips, chip=chip.name,
-                       device_kind=chip.device_kind, hbm_bytes_per_chip=chip.hbm_bytes,
-                       hbm_bytes_per_s=chip.hbm_bytes_per_s, peak_bf16_flops=chip.peak_bf16_flops)
+                       device_kind=chip.device_kind, hbm_bytes_per_chip=topo.hbm_bytes,
+                       hbm_bytes_per_s=chip.hbm_bytes_per_s, peak_bf16_flops=chip.peak_bf16_flops,
+                       platform=topo.platform, device_memory_bytes=chip.hbm_bytes,
+                       memory_fraction=topo.memory_fraction)
   run = dict(num_params=cfg.num_params(), num_layers=cfg.num_layers, d_model=cfg.d_model, vocab_size=cfg.vocab_size,
              dtype=cfg.dtype, param_dtype=cfg.param_dtype, logits_chunk=cfg.logits_chunk, remat=cfg.remat,
              attention=cfg.attention, batch_size=m.batch_size, mini_batch_size=m.mini_batch_size,

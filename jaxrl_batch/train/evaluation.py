@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxrl_batch.runtime.distributed import to_host
 from jaxrl_batch.runtime.sharding import batch_sharding, data_parallel_size
-from jaxrl_batch.sampling import rollout
+from jaxrl_batch.sampling import SamplingParams, rollout
 from jaxrl_batch.train.setup import Experiment
 
 # A sample is correct (pass@k, maj@k) when it earns the full reward: `Task.reward` is 1.0 if it solves the problem.
@@ -85,6 +85,13 @@ def sampled_metrics(rewards_PxK: np.ndarray, answers_PxK: Sequence[Sequence[Hash
   return out
 
 
+def engine_for(exp: Experiment, settings: EvalConfig) -> SamplingParams:
+  """The run's engine as both passes decode with it: `settings.slots` per device on every data-parallel device, no
+  top-k / top-p (each pass sets its temperature; `train.aot` compiles the greedy pass)."""
+  slots = settings.slots * data_parallel_size(exp.mesh)
+  return dataclasses.replace(exp.sampling, top_k=0, top_p=1.0, slots=slots)
+
+
 def evaluate(exp: Experiment, graphdef, params, settings: EvalConfig | None = None) -> dict:
   """Held-out metrics of `params`; deterministic given them (each pass decodes with a fixed key).
 
@@ -101,8 +108,8 @@ def evaluate(exp: Experiment, graphdef, params, settings: EvalConfig | None = No
   dp = data_parallel_size(exp.mesh)
   padded = problems + problems[: (-len(problems)) % dp]
   tokens_BxP, valid_BxP = exp.encode_prompts(padded)
-  slots = settings.slots * dp
-  engine = dataclasses.replace(exp.sampling, top_k=0, top_p=1.0, slots=slots)
+  engine = engine_for(exp, settings)
+  slots = engine.slots
   if engine.engine == "static" and slots and (len(padded) % slots or slots % max(k, 1)):
     raise ValueError(f"eval.slots={settings.slots}: the static engine decodes the {len(padded)} held-out problems "
                      f"(x {k} samples) in blocks of eval.slots x {dp} devices rows, which must divide "

@@ -33,6 +33,13 @@ from jaxrl_batch.train import samples_log
 from jaxrl_batch.train.collector import Collector, Rollouts, _sampling_key
 
 
+def capacity(slots: int, batch_size: int, num_prompts: int, lookahead: int) -> tuple[int, int]:
+  """(requests, prompt rows) of one engine call: the carried sequences (at most `slots`, each with a prompt row of
+  its own) and new requests of up to lookahead + 1 prompt steps (B requests, P prompt rows each). Fixed shapes:
+  one program per run (`train.aot` compiles them)."""
+  return slots + (lookahead + 1) * batch_size, slots + (lookahead + 1) * num_prompts
+
+
 def _seq(uid, prompt_row, problem, tokens, logps, versions, length, eos, reward=None):
   return dict(uid=int(uid), prompt=prompt_row, problem=problem, tokens=tokens, logps=logps, versions=versions,
               length=int(length), eos=bool(eos), reward=reward)
@@ -58,8 +65,8 @@ class PartialCollector(Collector):
     self.budget, self.lookahead = int(cfg.partial_budget), int(cfg.max_lookahead)
     m = self.member
     self.slots = self.slots or m.batch_size
-    self.capacity = self.slots + (self.lookahead + 1) * m.batch_size  # requests of one call: carried + new
-    self.prompt_capacity = self.slots + (self.lookahead + 1) * m.num_prompts
+    # Requests and prompt rows of one call: carried + new.
+    self.capacity, self.prompt_capacity = capacity(self.slots, m.batch_size, m.num_prompts, self.lookahead)
     self.next_uid = 0  # the stream's first request not yet started
     self.carried: list[dict] = []  # in flight at the last stop: uid, prompt row, tokens so far, ...
     self.finished: dict[int, dict] = {}  # ended, not yet trained, by uid

@@ -74,7 +74,7 @@ def sft_step(params, opt_state, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphde
 
 
 # Model settings that change memory or speed, not values: a base policy trained under others is the same policy.
-MEMORY_SETTINGS = ("logits_chunk", "remat", "attention")
+MEMORY_SETTINGS = ("logits_chunk", "remat", "attention", "moe_chunk")
 
 
 def cache_key(exp: Experiment) -> str:
