@@ -60,10 +60,14 @@ MODELS = {
     "qwen2.5-7b": dict(vocab_size=152_064, d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                        d_ff=18_944, tie_embeddings=False, **QWEN2),
     # d_ff is config.json's intermediate_size (unused: no layer is dense), kept so init_from's shape check passes.
+    # Float32 master weights (and so Adam moments) under bfloat16 compute: an Adam step of the recipe's lr 1e-6
+    # rounds away in bfloat16 weights (docs/scaling.md).
     "qwen3-30b-a3b": dict(vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
                           d_ff=6144, num_experts=128, num_experts_per_tok=8, moe_d_ff=768, dtype="bfloat16",
-                          param_dtype="bfloat16", **QWEN3_MOE),
+                          param_dtype="float32", **QWEN3_MOE),
 }
+# Response budget in tokens per model (task.max_response_tokens; the others 1,024): the reference study's 8,192.
+RESPONSE_TOKENS = {"qwen3-30b-a3b": 8192}
 TINY = ("tiny_random", "tiny_moe")  # CPU smoke models: the bundled sample data and tokenizer.
 # Default `mesh=` per model (data x fsdp x tensor[x expert]): 128 experts in 8 expert groups, fsdp over the rest.
 MESHES = {"qwen3-30b-a3b": "1x-1x1x8"}
@@ -119,7 +123,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.temperature = 1.0
   c.optim.update(base_lr=TINY_BASE_LR if tiny else BASE_LR, base_batch=base_batch, lr_rule=arg.lr_rule,
                  warmup_samples=0, weight_decay=0.0, grad_clip=1.0)
-  c.task.max_response_tokens = 0 if tiny else 1024
+  c.task.max_response_tokens = 0 if tiny else RESPONSE_TOKENS.get(arg.model, 1024)
   c.sample_budget = 512 * 1024  # 512 steps of the base member.
   c.eval_every_samples = 32 * 1024
   c.checkpoint_every_samples = 32 * 1024

@@ -156,6 +156,8 @@ def test_qwen_moe_models():
   family = grpo_gsm8k_qwen.get_config("model=qwen3-30b-a3b")
   assert (family.batch_size, family.group_size, family.optim.base_lr, family.optim.lr_rule) == (1024, 8, 1e-6, "sqrt")
   assert family.mesh.to_dict() == dict(data=1, fsdp=-1, tensor=1, expert=8)
+  # The reference study's recipe: 8,192-token responses, float32 master weights under bfloat16 compute.
+  assert (family.task.max_response_tokens, big.param_dtype, big.dtype) == (8192, "float32", "bfloat16")
   tiny, dense = _model(grpo_gsm8k_qwen, "model=tiny_moe"), _model(grpo_gsm8k_qwen, "model=tiny_random")
   # Its MLPs: a token's k experts are as wide as tiny_random's SwiGLU.
   assert tiny.moe_layers == (0, 1) and tiny.num_experts_per_tok * tiny.moe_d_ff == dense.d_ff

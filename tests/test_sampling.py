@@ -1,5 +1,7 @@
 """Sampler: exact tokens from a fake model, EOS handling, cache buckets and early exit, the decode backend handed
 to the model, agreement with a full forward pass, the Pallas backend, group prefix sharing and no recompiles."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,12 +21,13 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 class StepLog:
-  """(cache slot written, cache slots) of each decode step run, and the decode backends the model was handed;
+  """(cache slot written, cache slots read) of each decode step run, and the decode backends the model was handed;
   hashable by identity (static model metadata)."""
 
   def __init__(self):
     self.steps = []
     self.backends = set()
+    self.cache_lengths = set()
 
 
 class CountingModel(nnx.Module):
@@ -48,7 +51,8 @@ class CountingModel(nnx.Module):
   def step(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None, decode_backend=None):
     if self.log is not None:
       self.log.backends.add(decode_backend)
-      size = cache.length
+      size = mask_BxTxS.window or cache.length  # the slots a step reads
+      self.log.cache_lengths.add(cache.length)
       jax.debug.callback(lambda slot: self.log.steps.append((int(slot), size)), cache_index)
     return self.logits(tokens_BxT), cache, None
 
@@ -211,6 +215,49 @@ def test_pallas_backend_gives_the_xla_tokens(tiny, temperature):
   np.testing.assert_array_equal(outs[0].tokens_BxN, outs[1].tokens_BxN)
   np.testing.assert_array_equal(outs[0].mask_BxN, outs[1].mask_BxN)
   np.testing.assert_allclose(outs[0].logprobs_BxN, outs[1].logprobs_BxN, atol=1e-5)
+
+
+@pytest.fixture
+def in_place_generate(monkeypatch):
+  """`generate` as traced for an accelerator: segments read growing windows of one full-size cache. JAX's caches
+  are cleared around each call, so that it reuses no trace of the CPU path, nor the CPU path one of its traces."""
+  module = importlib.import_module("jaxrl_batch.sampling.generate")
+
+  def run(*args, **kwargs):
+    jax.clear_caches()
+    with monkeypatch.context() as patch:
+      patch.setattr(module, "grows_in_place", lambda: True)
+      out = jax.block_until_ready(module.generate(*args, **kwargs))
+    jax.clear_caches()
+    return out
+
+  return run
+
+
+def test_windows_of_one_full_cache_are_read_as_the_copied_buckets_were(in_place_generate):
+  # As the bucket test above: the same slots, each step reading the same number of slots, of one 40-slot cache.
+  log = StepLog()
+  graphdef, params = _fake(log)
+  prompt = jnp.array([[6], [9]], jnp.int32)
+  out = in_place_generate(graphdef, params, prompt, prompt != PAD, jax.random.key(0), max_new_tokens=40, eos_id=EOS,
+                          pad_id=PAD, sampling=GREEDY)
+  jax.effects_barrier()
+  np.testing.assert_array_equal(out.lengths_B, [8, 5])
+  assert sorted(log.steps) == [(1, 2), (2, 4), (3, 4), (4, 8), (5, 8), (6, 8), (7, 8)]
+  assert log.cache_lengths == {40}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_in_place_windows_give_the_copied_caches_tokens(tiny, in_place_generate, temperature):
+  graphdef, params = tiny
+  prompt, valid = _group_prompts(0)
+  # No row stops (no token is V): every segment runs, windows of 8, 16, 32 and 43 slots.
+  kwargs = dict(max_new_tokens=40, eos_id=V, pad_id=PAD, sampling=SamplingParams(temperature=temperature))
+  copied = generate(graphdef, params, prompt, valid, jax.random.key(3), **kwargs)
+  in_place = in_place_generate(graphdef, params, prompt, valid, jax.random.key(3), **kwargs)
+  np.testing.assert_array_equal(copied.tokens_BxN, in_place.tokens_BxN)
+  np.testing.assert_array_equal(copied.mask_BxN, in_place.mask_BxN)
+  np.testing.assert_allclose(copied.logprobs_BxN, in_place.logprobs_BxN, atol=1e-6)
 
 
 def test_group_prefix_sharing_matches_the_unshared_path(tiny):

@@ -49,10 +49,13 @@ class KVCache(NamedTuple):
     """One layer's keys (B, K, H, S) and values (B, K, S, H)."""
     return self.k_layers[layer], self.v_layers[layer]
 
-  def decode_attention(self, layer: int, q_BxNxH, starts_B, ends_B, *, backend: str):
+  def decode_attention(self, layer: int, q_BxNxH, starts_B, ends_B, *, backend: str, window: int | None = None):
     """One-token attention of each row over its slots [starts_B, ends_B), read in place by `backend`
-    (`kernels.decode_attention`). Returns out_BxNxH."""
-    return decode_attention(q_BxNxH, self.k_layers[layer], self.v_layers[layer], ends_B, starts_B, backend=backend)
+    (`kernels.decode_attention`), of the first `window` slots only (static; None = all). Returns out_BxNxH."""
+    k, v = self.k_layers[layer], self.v_layers[layer]
+    if window is not None and window < self.length:
+      k, v = k[..., :window], v[:, :, :window]
+    return decode_attention(q_BxNxH, k, v, ends_B, starts_B, backend=backend)
 
   def resized(self, length: int) -> "KVCache":
     """The cache zero-padded to `length` >= S slots."""

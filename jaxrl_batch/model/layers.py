@@ -91,7 +91,7 @@ class Attention(nnx.Module):
       cache = cache.write(layer, cache_index, k, v)
     if decode_backend is not None:
       out_BxTxNxH = cache.decode_attention(layer, q[:, 0], mask_BxTxS.starts_B, mask_BxTxS.ends_B,
-                                           backend=decode_backend)[:, None]
+                                           backend=decode_backend, window=mask_BxTxS.window)[:, None]
     elif segments:
       out_BxTxNxH = segment_attention(q, k, v, mask_BxTxS.segment_ids_BxT, backend=self.cfg.attention)
     else:

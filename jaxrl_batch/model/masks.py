@@ -69,8 +69,11 @@ class DecodeSpan(NamedTuple):
 
   Row b's query attends cache slots starts_B[b] <= s < ends_B[b]: from a left-padded prompt's first real token to
   the query's own slot. Handed to the model as the mask of a step with a `decode_backend`, which reads it
-  (`jaxrl_batch.kernels.decode_attention`, starts and lengths = ends).
+  (`jaxrl_batch.kernels.decode_attention`, starts and lengths = ends). `window` (a Python int, static): a slot
+  cache is read only in its first `window` slots, which must hold every span (None: all of it); the static engine's
+  segments read a growing window of one full-size cache.
   """
 
   starts_B: jax.Array
   ends_B: jax.Array
+  window: int | None = None

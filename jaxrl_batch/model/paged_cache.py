@@ -80,8 +80,10 @@ class PagedKVCache(NamedTuple):
     return (jnp.transpose(k_BxMxKxHxC, (0, 2, 3, 1, 4)).reshape(b, kv, h, m * c),
             jnp.transpose(v_BxMxKxCxH, (0, 2, 1, 3, 4)).reshape(b, kv, m * c, h))
 
-  def decode_attention(self, layer: int, q_BxNxH, starts_B, ends_B, *, backend: str):
+  def decode_attention(self, layer: int, q_BxNxH, starts_B, ends_B, *, backend: str, window: int | None = None):
     """One-token attention of each row over its logical slots [starts_B, ends_B), read page by page
-    (`kernels.paged_decode_attention`). Returns out_BxNxH."""
+    (`kernels.paged_decode_attention`); `window` is for a slot cache (pages are read through the table). Returns
+    out_BxNxH."""
+    del window
     return paged_decode_attention(q_BxNxH, self.k_layers[layer], self.v_layers[layer], self.table_BxM, ends_B,
                                   starts_B, backend=backend)

@@ -4,12 +4,15 @@ generated, not the token budget.
 Prompts are left-padded (right-aligned), so every row writes its next token at the same cache slot, and row b's
 live slots are one span: [P - prompt_len_b, the slot of the token fed] (`masks.DecodeSpan`). Each decode step hands
 the model that span and `SamplingParams.backend` as its static `decode_backend` (`kernels.decode_attention`):
-  xla: reads every slot of the cache it is given, masking those outside the span, so the cache grows through
-    buckets: the decode is a chain of `lax.while_loop` segments, one per cache size (the smallest power of two above
-    P, doubling, then P + N - 1 to end). A step at live length 40 reads a 64-slot cache whatever the budget N.
-    Between segments the cache is copied, zero-padded, into the next size; once every row has stopped, a `lax.cond`
-    skips the remaining segments, copies included. The buckets are static, so this is still one program with no
-    host round-trip.
+  xla: reads every slot of the cache window it is given, masking those outside the span, so the window grows
+    through buckets: the decode is a chain of `lax.while_loop` segments, one per window (the smallest power of two
+    above P, doubling, then P + N - 1 to end). A step at live length 40 reads 64 slots whatever the budget N. Once
+    every row has stopped, a `lax.cond` skips the remaining segments. The buckets are static, so this is still one
+    program with no host round-trip. Where the window lives (`grows_in_place`): on TPU and GPU the cache is
+    allocated once at its full size after the prefill, and each segment reads the first slots of that one buffer
+    in place (copying into a growing cache needed twice the memory at 8k tokens); on CPU, where reading part of a
+    larger buffer costs a copy per layer and step, the cache is copied, zero-padded, into each next size between
+    segments (docs/results/2026-12-06-aot-qwen3-30b-a3b.md has both measurements).
   pallas: the decode kernel reads only each row's live blocks of the cache, in place, so one segment runs
     over the full P + N - 1 slots. Interpret mode on CPU: for tests at tiny shapes only.
 
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_batch.kernels.platform import current_platform
 from jaxrl_batch.model import DecodeSpan, KVCache, cache_mask, positions_from_valid
 from jaxrl_batch.model.moe import stacked_experts
 from jaxrl_batch.sampling.strategies import SamplingParams, choose
@@ -78,6 +82,12 @@ class _Carry(NamedTuple):
   rng: jax.Array
 
 
+def grows_in_place() -> bool:
+  """Whether the decode segments read growing windows of one full-size cache (TPU, GPU) rather than copies into
+  growing caches (CPU); see the module docstring. The platform the program is traced for."""
+  return current_platform() != "cpu"
+
+
 def cache_buckets(prompt_len: int, max_new_tokens: int, backend: str) -> tuple[int, ...]:
   """Cache sizes (slots) of the decode segments; the last holds slot P + N - 2, the last one fed."""
   full = prompt_len + max_new_tokens - 1
@@ -121,6 +131,9 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
   prompt_experts = stacked_experts(routings, b // g, p)
   prompt_experts = None if prompt_experts is None else jnp.repeat(prompt_experts, g, axis=0)
   cache = cache.repeat_rows(g)
+  in_place = grows_in_place()
+  if in_place:
+    cache = cache.resized(buckets[-1])
   logits_BxV = jnp.repeat(logits_GxV, g, axis=0)
 
   rng, first_rng = jax.random.split(rng)
@@ -139,9 +152,9 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
                                                                    jnp.int16),
       rng=rng)
 
-  def body(c: _Carry):
+  def body(c: _Carry, window: int):
     slot = p + c.step - 1  # cache slot of the previous token, fed now
-    span = DecodeSpan(starts_B, jnp.full((b,), slot + 1))
+    span = DecodeSpan(starts_B, jnp.full((b,), slot + 1), window)
     logits_Bx1xV, cache, experts_Bx1xLxK = model.step(c.token_B[:, None], c.position_B[:, None], span, c.cache,
                                                       slot, decode_backend=backend)
     rng, step_rng = jax.random.split(c.rng)
@@ -164,14 +177,16 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
     return c.step, c.tokens_BxN, c.logprobs_BxN, c.experts_BxNxLxK
 
   def decode(i: int, c: _Carry):
-    """Segment i (steps whose slot fits buckets[i]), then, unless every row has stopped, the later segments."""
+    """Segment i (steps whose slot fits the window buckets[i]), then, unless every row has stopped, the later
+    segments."""
     size = buckets[i]
     end = min(n, size - p + 1)
-    c = jax.lax.while_loop(lambda c: (c.step < end) & ~jnp.all(c.done_B), body, c)
+    step = functools.partial(body, window=size if in_place else None)
+    c = jax.lax.while_loop(lambda c: (c.step < end) & ~jnp.all(c.done_B), step, c)
     if i + 1 == len(buckets):
       return result(c)
-    return jax.lax.cond(jnp.all(c.done_B), result,
-                        lambda c: decode(i + 1, c._replace(cache=c.cache.resized(buckets[i + 1]))), c)
+    grown = (lambda c: c) if in_place else (lambda c: c._replace(cache=c.cache.resized(buckets[i + 1])))
+    return jax.lax.cond(jnp.all(c.done_B), result, lambda c: decode(i + 1, grown(c)), c)
 
   steps, tokens_BxN, logprobs_BxN, experts_BxNxLxK = decode(0, carry)
   is_eos_BxN = tokens_BxN == eos_id
