@@ -842,6 +842,7 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
                        memory_fraction=topo.memory_fraction)
   run = dict(num_params=cfg.num_params(), num_layers=cfg.num_layers, d_model=cfg.d_model, vocab_size=cfg.vocab_size,
              dtype=cfg.dtype, param_dtype=cfg.param_dtype, logits_chunk=cfg.logits_chunk, remat=cfg.remat,
+             moe_chunk=cfg.moe_chunk,
              attention=cfg.attention, batch_size=m.batch_size, mini_batch_size=m.mini_batch_size,
              micro_batch_size=m.micro_batch_size,
              num_micro=m.num_micro, score_num_micro=m.score_num_micro, group_size=m.group_size,
