@@ -11,6 +11,7 @@ from jaxrl_batch.kernels.train_attention import attend, segment_attention
 from jaxrl_batch.model.linear import linear
 from jaxrl_batch.model.masks import Segments
 from jaxrl_batch.model.rope import apply_rope
+from jaxrl_batch.runtime import sharding
 
 
 def sharded_param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
@@ -98,7 +99,7 @@ class Attention(nnx.Module):
       k_BxKxHxS, v_BxKxSxH = (cache.layer(layer) if cache is not None else
                               (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)))
       out_BxTxNxH = attend(q, k_BxKxHxS.astype(dt), v_BxKxSxH.astype(dt), mask_BxTxS)
-    return linear(out_BxTxNxH, self.wo[...].astype(dt), contract=2), cache
+    return sharding.constrain_rows(linear(out_BxTxNxH, self.wo[...].astype(dt), contract=2)), cache
 
 
 class SwiGLU(nnx.Module):
@@ -115,4 +116,5 @@ class SwiGLU(nnx.Module):
   def __call__(self, x_BxTxD):
     dt = self.cfg.compute_dtype
     gate = jax.nn.silu(linear(x_BxTxD, self.w_gate[...].astype(dt)))
-    return linear(gate * linear(x_BxTxD, self.w_up[...].astype(dt)), self.w_down[...].astype(dt))
+    h_BxTxF = sharding.constrain_rows(gate * linear(x_BxTxD, self.w_up[...].astype(dt)))
+    return sharding.constrain_rows(linear(h_BxTxF, self.w_down[...].astype(dt)))

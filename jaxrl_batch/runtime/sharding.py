@@ -76,6 +76,20 @@ def dividing_axes(mesh, axes, size: int) -> tuple[str, ...]:
   return tuple(kept)
 
 
+def constrain_rows(x):
+  """`x` with its leading (batch or token) dimension laid out over the batch axes of the ambient mesh that divide it,
+  its other dimensions left to the partitioner. Activations stay split like the batch, so that a matmul with
+  fsdp-sharded weights gathers the weights rather than every device's rows (the GPU compiler chose the rows: a
+  micro-batch's whole MLP activations on every device). A no-op without a mesh or where no batch axis divides."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  axes = dividing_axes(mesh, BATCH_AXES, x.shape[0])
+  if not axes:
+    return x
+  return jax.lax.with_sharding_constraint(x, P(axes, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+
+
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], rules, mesh: Mesh) -> P:
   """PartitionSpec for one array. A mesh axis is dropped where it does not divide the dimension or is taken."""
   table = dict(rules)
