@@ -221,3 +221,16 @@ def test_each_micro_batch_is_spread_over_the_batch_axes():
     micro = jax.jit(lambda x: split_micro_batches(x, 2))(rows)
   np.testing.assert_array_equal(micro, np.arange(16 * 3).reshape(2, 8, 3))
   assert micro.sharding.shard_shape(micro.shape) == (2, 2, 3)
+
+
+def test_activations_are_constrained_to_the_batch_layout():
+  """`sharding.constrain_rows` lays the leading dimension over the batch axes that divide it (the others left to the
+  partitioner), and leaves rows that no batch axis divides as they are."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")
+  mesh = sharding.make_mesh(2, 2, 2)  # data x fsdp: the batch split 4 ways
+  with jax.set_mesh(mesh):
+    rows = jax.jit(sharding.constrain_rows)(jax.device_put(jnp.ones((8, 6)), sharding.replicated(mesh)))
+    odd = jax.jit(sharding.constrain_rows)(jax.device_put(jnp.ones((3, 6)), sharding.replicated(mesh)))
+  assert rows.sharding.shard_shape(rows.shape) == (2, 6)
+  assert odd.sharding.shard_shape(odd.shape) == (3, 6)
