@@ -68,7 +68,7 @@ def _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_Bx
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def _from_rollouts(rollouts, *, mesh):
   """(tokens_BxT, valid_BxT, loss_mask_BxT, sampler_logp_BxT, rewards_B, experts_BxTxLxK or None) of a
-  `train.collector.Rollouts`, with T = prompt + response tokens."""
+  `rl.rollouts.Rollouts`, with T = prompt + response tokens."""
   r = rollouts
   tokens_BxT = jnp.concatenate([r.prompt_BxP, r.tokens_BxN], axis=1)
   valid_BxT = jnp.concatenate([r.prompt_valid_BxP.astype(bool), r.mask_BxN.astype(bool)], axis=1)
@@ -121,7 +121,7 @@ class Learner:
 
   def prepare(self, state: dict, rollouts, ref_params, kl_coef) -> tuple[TrainBatch, dict]:
     """The training batch (sharded) and per-step statistics on the device (returns_mean, vf_explained_var, old-logp
-    gap). `rollouts`: a `train.collector.Rollouts`; kl_coef: float32 device scalar."""
+    gap). `rollouts`: a `rl.rollouts.Rollouts`; kl_coef: float32 device scalar."""
     cfg = self.cfg
     tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B, experts = _from_rollouts(rollouts, mesh=self.mesh)
     trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), tokens_BxT, valid_BxT, mask_BxT,

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_batch.runtime import sharding, transfer
-from jaxrl_batch.train.collector import Collector, Rollouts
+from jaxrl_batch.rl.rollouts import Rollouts
+from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.generator_process import RemoteGenerator
 
 # Rollouts fields saved with a checkpoint, and their dtypes (experts_BxTxLxK: int32 or absent).

@@ -13,7 +13,6 @@ Round r of step s draws its prompts from the stream `streams.rl_prompt_seed(seed
 import functools
 import logging
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,29 +21,12 @@ import numpy as np
 from jaxrl_batch.model import KVCache, PagedKVCache
 from jaxrl_batch.rl.advantages import zero_std_group_frac, zero_std_groups
 from jaxrl_batch.rl.overlong import overlong_penalty
+from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import memory, sharding, streams, transfer
 from jaxrl_batch.sampling import SamplingParams, generate, rollout, static_stats
 from jaxrl_batch.tasks.rewards import ScoringBatch
 from jaxrl_batch.train import samples_log
 from jaxrl_batch.train.setup import Experiment
-
-
-class Rollouts(NamedTuple):
-  """A step's scored rollouts, on the device (batch-sharded), B = rows trained this step.
-
-  prompt_BxP / prompt_valid_BxP: left-padded prompts; tokens_BxN, logprobs_BxN, mask_BxN: the sampler's output;
-  rewards_B: float32 task rewards after any overlong penalty; trained_B: bool, rows whose tokens enter the loss;
-  experts_BxTxLxK: the sampler's routing of a mixture-of-experts model (`sampling.Rollout.experts_BxTxLxK`), None
-  for a dense model or where it is not recorded (partial rollouts).
-  """
-  prompt_BxP: jax.Array
-  prompt_valid_BxP: jax.Array
-  tokens_BxN: jax.Array
-  logprobs_BxN: jax.Array
-  mask_BxN: jax.Array
-  rewards_B: jax.Array
-  trained_B: jax.Array
-  experts_BxTxLxK: jax.Array | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",

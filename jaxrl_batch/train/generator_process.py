@@ -22,7 +22,8 @@ import jax
 import ml_collections
 
 from jaxrl_batch.runtime import sharding, transfer
-from jaxrl_batch.train.collector import Collector, Rollouts
+from jaxrl_batch.rl.rollouts import Rollouts
+from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.setup import Experiment
 
 READY, GENERATE, ROLLOUTS, ERROR, CLOSE = "ready", "generate", "rollouts", "error", "close"

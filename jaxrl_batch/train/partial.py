@@ -30,7 +30,8 @@ from jaxrl_batch.rl.overlong import overlong_penalty
 from jaxrl_batch.runtime import sharding, streams, transfer
 from jaxrl_batch.sampling import continuous
 from jaxrl_batch.train import samples_log
-from jaxrl_batch.train.collector import Collector, Rollouts, _sampling_key
+from jaxrl_batch.rl.rollouts import Rollouts
+from jaxrl_batch.train.collector import Collector, _sampling_key
 
 
 def capacity(slots: int, batch_size: int, num_prompts: int, lookahead: int) -> tuple[int, int]:
