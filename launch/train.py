@@ -1,4 +1,4 @@
-r"""Trains one member of a batch family with GRPO.
+r"""Trains one member of a batch family with the algorithm its config names (`algo`: grpo or ppo).
 
   python -m launch.train --config=configs/grpo_arith.py --workdir=/tmp/grpo_arith
   python -m launch.train --config=configs/grpo_arith.py:batch=256,lr_rule=sqrt --workdir=/tmp/b256 \
