@@ -321,8 +321,9 @@ def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, over
   rows = [r for r in read_rows(str(tmp_path / "run")) if "reward_mean" in r]
   steps, rounds = len(rows), sum(r["sampling_rounds"] for r in rows)
   assert steps == 4 and all(r["reward_std"] > 0 for r in rows)
-  # Per sampling round: prompts up, tokens down; per step: rewards up, metrics down; evaluation at 0 and at the end.
-  expected = dict(prompts=rounds, tokens=rounds, rewards=steps, metrics=steps, eval=2, checkpoint=1)
+  # Per sampling round: prompts up, tokens down; per step: rewards up, the KL coefficient and mini-batch orders up,
+  # metrics down; evaluation at 0 and at the end.
+  expected = dict(prompts=rounds, tokens=rounds, rewards=steps, kl_orders=steps, metrics=steps, eval=2, checkpoint=1)
   if "sampling.engine" in overrides:  # one small upload (admissions, re-prefills) and download per chunk
     chunks = sum(r["rollout_chunks"] for r in rows)
     expected.update(admit=chunks, slots=chunks)

@@ -16,16 +16,18 @@ for the lag with the loss's importance weights (`rl.old_logp='trainer'` with `rl
 objective; see `rl.update`).
 """
 import concurrent.futures
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.rl.rollouts import Rollouts
+from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.generator_process import RemoteGenerator
+from jaxrl_batch.train.step_row import RolloutStats
 
 # Rollouts fields saved with a checkpoint, and their dtypes (experts_BxTxLxK: int32 or absent).
 _FIELDS = {"prompt_BxP": np.int32, "prompt_valid_BxP": bool, "tokens_BxN": np.int32, "logprobs_BxN": np.float32,
@@ -56,12 +58,12 @@ class AsyncCollector:
     generator waited for this work (`update_wait_s`)."""
     start = time.time()
     idle = 0.0 if self._last_end is None else max(start - self._last_end, 0.0)
-    rollouts, _, _, stats = self.collector.collect(graphdef, params, step, 0.0, [])
+    rollouts, stats = self.collector.collect(graphdef, params, step)
     if not self.colocated:  # Onto the learner's devices (device to device).
       rollouts = jax.device_put(rollouts, jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, x.ndim), rollouts))
     rollouts = jax.block_until_ready(rollouts)
     self._last_end = time.time()
-    return rollouts, dict(stats, update_wait_s=idle)
+    return rollouts, dataclasses.replace(stats, update_wait_s=idle)
 
   def _publish(self, params):
     """The policy for the generator: a copy on the learner's devices (the update donates its state), or the policy
@@ -72,10 +74,9 @@ class AsyncCollector:
     return jax.device_put(params, jax.tree.map(
         lambda x: jax.sharding.NamedSharding(rollout_mesh, x.sharding.spec), params))
 
-  def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]):
+  def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
     """Like `Collector.collect` for `step`, from the queue; first tops the queue up to step + k with `params`
-    published (copied: the update donates its state) as policy version `step`. The KL coefficient and the
-    mini-batch `orders` are the learner's at training time, uploaded here."""
+    published (copied: the update donates its state) as policy version `step`."""
     published = None
     for t in range(step, step + self.k + 1):
       if t not in self._queue:
@@ -88,21 +89,17 @@ class AsyncCollector:
       rollouts, stats = item.result()
     else:
       rollouts, stats = self._upload(item)
-    waited = time.time() - t0
-    replicated = sharding.replicated(self.mesh)
-    device_kl_coef, device_orders = transfer.to_device("kl_orders", (np.float32(kl_coef), orders),
-                                                       (replicated, [replicated] * len(orders)))
     lag = step - version
-    stats = dict(stats, rollout_wait_s=waited, policy_version=version, policy_lag_mean=float(lag),
-                 policy_lag_max=lag, policy_lag_samples_mean=float(lag * self.exp.member.batch_size))
-    return rollouts, device_kl_coef, device_orders, stats
+    return rollouts, dataclasses.replace(stats, rollout_wait_s=time.time() - t0, policy_version=version,
+                                         policy_lag_mean=float(lag), policy_lag_max=lag,
+                                         policy_lag_samples_mean=float(lag * self.exp.member.batch_size))
 
   def _upload(self, saved: dict):
     """A restored batch back on the learner's devices, as the generator had left it."""
     arrays = {k: np.asarray(v, _FIELDS[k]) for k, v in saved["arrays"].items()}
     device = transfer.to_device("restore", arrays,
                                 {k: sharding.batch_sharding(self.mesh, v.ndim) for k, v in arrays.items()})
-    return Rollouts(**{k: device.get(k) for k in _FIELDS}), dict(saved["stats"])
+    return Rollouts(**{k: device.get(k) for k in _FIELDS}), RolloutStats(**saved["stats"])
 
   def state_dict(self) -> dict:
     """The JSON-able run state: each batch in flight (waited for), its step, policy version, arrays and
@@ -114,7 +111,7 @@ class AsyncCollector:
         rollouts, stats = item.result()
         fields = {k: v for k, v in rollouts._asdict().items() if v is not None}
         arrays = {k: v.tolist() for k, v in transfer.to_host("checkpoint_rollouts", fields).items()}
-        item = dict(arrays=arrays, stats={k: v.item() if isinstance(v, np.generic) else v for k, v in stats.items()})
+        item = dict(arrays=arrays, stats=stats.to_json())
         self._queue[t] = (version, item)
       batches.append(dict(step=t, version=version, **item))
     return dict(max_staleness=self.k, batches=batches)

@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_batch.model import KVCache, PagedKVCache
-from jaxrl_batch.rl.advantages import zero_std_group_frac, zero_std_groups
-from jaxrl_batch.rl.overlong import overlong_penalty
+from jaxrl_batch.rl.advantages import zero_std_groups
 from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import memory, sharding, streams, transfer
 from jaxrl_batch.sampling import SamplingParams, generate, rollout, static_stats
 from jaxrl_batch.tasks.rewards import ScoringBatch
 from jaxrl_batch.train import samples_log
 from jaxrl_batch.train.setup import Experiment
+from jaxrl_batch.train.step_row import RolloutStats, group_zero_std_frac, trained_rewards
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
@@ -115,6 +115,7 @@ class Collector:
 
   def __init__(self, exp: Experiment):
     self.exp, self.member = exp, exp.member
+    self.log_samples_count = exp.config.get("log_samples_count", 0)  # The first rollouts, as text for samples.jsonl.
     # Slots per device times the devices the batch is sharded over; 0 = every request at once.
     self.slots = exp.sampling.slots * sharding.data_parallel_size(exp.mesh)
     self._row_sharding = functools.partial(sharding.batch_sharding, exp.mesh)
@@ -162,11 +163,8 @@ class Collector:
                 problems_B=problems_B, completions_B=scores.completions_B, errors=scores.errors,
                 timeouts=scores.timeouts, rollout_s=t1 - t0, reward_s=time.time() - t1, engine=engine_stats)
 
-  def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]
-              ) -> tuple[Rollouts, jax.Array, list[jax.Array], dict]:
-    """The step's rollouts, and with them on the device the KL coefficient (float32) and the mini-batch `orders`
-    (row indices, uploaded with the rewards); plus host statistics (timings, reward and length statistics over every
-    generated rollout, `samples_generated`, `sampling_rounds`, `trained_samples`)."""
+  def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
+    """The step's rollouts (on the device, with their rewards) and their host statistics."""
     algo, m = self.member.algo, self.member
     g, p = m.group_size, m.num_prompts
     rounds, kept, dropped = [], [], []
@@ -183,49 +181,36 @@ class Collector:
     groups = kept[:p] + dropped[:max(p - len(kept), 0)]
     b = m.batch_size
     rows_B = np.concatenate([r * b + np.arange(i * g, (i + 1) * g) for r, i in groups]).astype(np.int32)
-
-    def take(key):
-      return np.concatenate([rounds[r][key] for r in range(len(rounds))])[rows_B]
-
-    truncated_B, lengths_B, rewards_B = take("truncated_B"), take("lengths_B"), take("task_rewards_B")
-    k = self.exp.config.get("log_samples_count", 0)  # The first k rollouts, as text for samples.jsonl.
-    shown = [(rounds[i // b], i % b) for i in rows_B[:k]]
+    every = {k: np.concatenate([out[k] for out in rounds]) for k in ("task_rewards_B", "lengths_B", "truncated_B")}
+    truncated_B, lengths_B, rewards_B = (every[k][rows_B] for k in ("truncated_B", "lengths_B", "task_rewards_B"))
+    shown = [(rounds[i // b], i % b) for i in rows_B[:self.log_samples_count]]
     examples = samples_log.examples([out["problems_B"][i] for out, i in shown],
-                                    [out["completions_B"][i] for out, i in shown], rewards_B[:k], lengths_B[:k],
-                                    truncated_B[:k])
-    trained_B = np.ones(len(rewards_B), bool)
-    if algo.overlong == "penalty":
-      rewards_B = rewards_B + overlong_penalty(lengths_B, truncated_B, self.exp.response_len, algo.overlong_buffer,
-                                               algo.overlong_penalty)
-    elif algo.overlong == "mask":
-      trained_B = trained_B & ~truncated_B
-    mesh = self.exp.mesh
+                                    [out["completions_B"][i] for out, i in shown], rewards_B, lengths_B, truncated_B)
+    rewards_B, trained_B = trained_rewards(algo, rewards_B, lengths_B, truncated_B, self.exp.response_len)
+    rollouts = self._upload(rounds, rows_B, rewards_B, trained_B)
+    stats = RolloutStats.of(
+        rewards_E=every["task_rewards_B"], lengths_E=every["lengths_B"], truncated_E=every["truncated_B"],
+        engine=[out["engine"] for out in rounds], zero_std_frac=group_zero_std_frac(every["task_rewards_B"], g),
+        rollout_s=sum(out["rollout_s"] for out in rounds), reward_s=sum(out["reward_s"] for out in rounds),
+        samples_generated=len(every["task_rewards_B"]), sampling_rounds=len(rounds),
+        reward_errors=int(sum(out["errors"] for out in rounds)),
+        reward_timeouts=int(sum(out["timeouts"] for out in rounds)), trained_samples=int(trained_B.sum()),
+        examples=examples)
+    return rollouts, stats
+
+  def _upload(self, rounds: list[dict], rows_B: np.ndarray, rewards_B: np.ndarray, trained_B: np.ndarray
+              ) -> Rollouts:
+    """The rollouts of rows `rows_B` of the rounds (round r's row i is r * B + i) with their rewards uploaded."""
+    mesh, b = self.exp.mesh, self.member.batch_size
     replicated, batch_1d = sharding.replicated(mesh), sharding.batch_sharding(mesh, 1)
     # One round kept whole (always so without dynamic sampling): its arrays are the step's, no gather needed.
     whole = len(rounds) == 1 and np.array_equal(rows_B, np.arange(b))
-    uploaded = transfer.to_device(
-        "rewards", (rewards_B.astype(np.float32), trained_B, np.float32(kl_coef), orders, () if whole else rows_B),
-        (batch_1d, batch_1d, replicated, [replicated] * len(orders), () if whole else replicated))
-    device_rewards_B, device_trained_B, device_kl_coef, device_orders, device_rows_B = uploaded
+    device_rewards_B, device_trained_B, device_rows_B = transfer.to_device(
+        "rewards", (rewards_B.astype(np.float32), trained_B, () if whole else rows_B),
+        (batch_1d, batch_1d, () if whole else replicated))
     if whole:
       selected = rounds[0]["device"]
     else:
       with jax.set_mesh(mesh):
         selected = _select([out["device"] for out in rounds], device_rows_B)
-    rollouts = Rollouts(*selected[:5], device_rewards_B, device_trained_B, selected[5])
-    every = {k: np.concatenate([out[k] for out in rounds]) for k in ("task_rewards_B", "lengths_B", "truncated_B")}
-    stats = dict(rollout_s=sum(out["rollout_s"] for out in rounds), reward_s=sum(out["reward_s"] for out in rounds),
-                 samples_generated=len(every["task_rewards_B"]),
-                 sampling_rounds=len(rounds), reward_mean=float(every["task_rewards_B"].mean()),
-                 reward_std=float(every["task_rewards_B"].std()),
-                 response_len_mean=float(every["lengths_B"].mean()),
-                 truncated_frac=float(every["truncated_B"].mean()),
-                 zero_std_group_frac=float(zero_std_group_frac(every["task_rewards_B"], g)) if g > 1 else 0.0,
-                 reward_errors=int(sum(out["errors"] for out in rounds)),
-                 reward_timeouts=int(sum(out["timeouts"] for out in rounds)),
-                 useful_token_frac=sum(out["engine"].decoded for out in rounds) / max(
-                     sum(out["engine"].slot_steps for out in rounds), 1),
-                 rollout_chunks=sum(out["engine"].chunks for out in rounds),
-                 preempted=sum(out["engine"].preempted for out in rounds),
-                 trained_samples=int(trained_B.sum()), examples=examples)
-    return rollouts, device_kl_coef, device_orders, stats
+    return Rollouts(*selected[:5], device_rewards_B, device_trained_B, selected[5])

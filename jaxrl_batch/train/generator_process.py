@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection
 import jax
 import ml_collections
 
-from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.rl.rollouts import Rollouts
+from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.setup import Experiment
 
@@ -90,15 +90,15 @@ class RemoteGenerator:
     assert message[0] == kind, message[0]
     return message[1:]
 
-  def collect(self, graphdef, params, step: int, kl_coef: float, orders):
-    """`Collector.collect`'s (rollouts, None, None, stats) for `step`, sampled by the child with `params`."""
-    del graphdef, kl_coef, orders  # The child holds its own graph definition; the learner uploads its own.
+  def collect(self, graphdef, params, step: int):
+    """`Collector.collect`'s (rollouts, stats) for `step`, sampled by the child with `params`."""
+    del graphdef  # The child holds its own graph definition.
     leaves = transfer.to_host("publish", jax.tree.leaves(params))
     self._conn.send((GENERATE, step, leaves))
     arrays, stats = self._receive(ROLLOUTS)
     device = transfer.to_device("rollouts", arrays,
                                 {k: sharding.batch_sharding(self.exp.mesh, v.ndim) for k, v in arrays.items()})
-    return Rollouts(**device), None, None, stats
+    return Rollouts(**device), stats
 
   def close(self) -> None:
     """Stops the child and gives this process its cores back."""
@@ -127,7 +127,7 @@ def serve(conn: Connection, cores: set[int]) -> None:
       return
     _, step, leaves = message
     params = jax.tree.unflatten(treedef, [jax.device_put(x, s.sharding) for x, s in zip(leaves, shapes)])
-    rollouts, _, _, stats = collector.collect(graphdef, params, step, 0.0, [])
+    rollouts, stats = collector.collect(graphdef, params, step)
     arrays = transfer.to_host("rollouts", {k: v for k, v in rollouts._asdict().items() if v is not None})
     conn.send((ROLLOUTS, arrays, stats))
 

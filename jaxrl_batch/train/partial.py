@@ -25,13 +25,12 @@ import time
 
 import numpy as np
 
-from jaxrl_batch.rl.advantages import zero_std_group_frac
-from jaxrl_batch.rl.overlong import overlong_penalty
+from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import sharding, streams, transfer
 from jaxrl_batch.sampling import continuous
 from jaxrl_batch.train import samples_log
-from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.train.collector import Collector, _sampling_key
+from jaxrl_batch.train.step_row import RolloutStats, group_zero_std_frac, trained_rewards
 
 
 def capacity(slots: int, batch_size: int, num_prompts: int, lookahead: int) -> tuple[int, int]:
@@ -179,10 +178,9 @@ class PartialCollector(Collector):
     ended = set(self.finished) | also_ended
     return sorted(u for u in ended if u % g == 0 and all(u + j in ended for j in range(g)))
 
-  def collect(self, graphdef, params, step: int, kl_coef: float, orders: list[np.ndarray]
-              ) -> tuple[Rollouts, object, list, dict]:
-    exp, m, algo = self.exp, self.member, self.member.algo
-    g, b, n = m.group_size, m.batch_size, exp.response_len
+  def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
+    """The P oldest complete groups' rollouts (on the device, with their rewards) and the step's statistics."""
+    exp, m = self.exp, self.member
     t0 = time.time()
     calls, ended = [], []
     while not calls or len(self._complete_groups({s["uid"] for s in ended})) < m.num_prompts:
@@ -190,57 +188,56 @@ class PartialCollector(Collector):
       calls.append(engine_stats)
       ended += now
     t1 = time.time()
-    if ended:
-      mask_ExN = np.arange(n)[None, :] < np.array([s["length"] for s in ended])[:, None]
-      completions = exp.decode_responses(np.stack([s["tokens"] for s in ended]), mask_ExN)
-      scores = exp.scorer.score(completions, [s["problem"] for s in ended])
-      errors, timeouts = scores.errors, scores.timeouts
-      failures = scores.failures()
-      if failures:
-        logging.warning("Step %d: the reward function %s", step, failures)
-      for seq, reward in zip(ended, scores.rewards_B):
-        seq["reward"] = float(reward)
-        self.finished[seq["uid"]] = seq
-    else:
-      errors = timeouts = 0
+    errors, timeouts = self._score(ended, step)
     reward_s = time.time() - t1
     groups = self._complete_groups(set())[:m.num_prompts]
-    batch = [self.finished.pop(u + j) for u in groups for j in range(g)]
+    batch = [self.finished.pop(u + j) for u in groups for j in range(m.group_size)]
+    rollouts, rewards_B, trained_B, examples = self._upload(batch)
     lengths_B = np.array([s["length"] for s in batch])
-    mask_BxN = np.arange(n)[None, :] < lengths_B[:, None]
-    truncated_B = np.array([not s["eos"] for s in batch])
-    rewards_B = np.array([s["reward"] for s in batch], np.float32)
-    trained_B = np.ones(b, bool)
-    if algo.overlong == "penalty":
-      rewards_B = rewards_B + overlong_penalty(lengths_B, truncated_B, n, algo.overlong_buffer, algo.overlong_penalty)
-    elif algo.overlong == "mask":
-      trained_B &= ~truncated_B
-    shown = batch[:exp.config.get("log_samples_count", 0)]  # The first rollouts, as text for samples.jsonl.
-    texts = exp.decode_responses(np.stack([s["tokens"] for s in shown]), mask_BxN[:len(shown)]) if shown else []
-    examples = samples_log.examples([s["problem"] for s in shown], texts, [s["reward"] for s in shown],
-                                    lengths_B[:len(shown)], truncated_B[:len(shown)])
+    mask_BxN = np.arange(exp.response_len)[None, :] < lengths_B[:, None]
     lag_BxN = np.where(mask_BxN, step - np.stack([s["versions"] for s in batch]), 0)
-    spans_B = np.array([len(set(s["versions"][:s["length"]].tolist())) > 1 for s in batch])
-    mesh = exp.mesh
-    replicated, rows = sharding.replicated(mesh), lambda ndim: sharding.batch_sharding(mesh, ndim)
+    stats = RolloutStats.of(
+        rewards_E=[s["reward"] for s in ended], lengths_E=[s["length"] for s in ended],
+        truncated_E=[not s["eos"] for s in ended], engine=calls,
+        zero_std_frac=group_zero_std_frac(rewards_B, m.group_size),
+        rollout_s=t1 - t0, reward_s=reward_s, samples_generated=len(ended), sampling_rounds=1,
+        reward_errors=int(errors), reward_timeouts=int(timeouts), trained_samples=int(trained_B.sum()),
+        examples=examples, reprefill_s=sum(c.reprefill_s for c in calls),
+        policy_lag_mean=float(lag_BxN.sum() / mask_BxN.sum()), policy_lag_max=int(lag_BxN.max()),
+        partial_frac=float(np.mean([len(set(s["versions"][:s["length"]].tolist())) > 1 for s in batch])),
+        carried_over=len(self.carried))
+    return rollouts, stats
+
+  def _score(self, ended: list[dict], step: int) -> tuple[int, int]:
+    """Scores the sequences that ended and moves them to `finished`; (reward errors, timeouts)."""
+    if not ended:
+      return 0, 0
+    mask_ExN = np.arange(self.exp.response_len)[None, :] < np.array([s["length"] for s in ended])[:, None]
+    completions = self.exp.decode_responses(np.stack([s["tokens"] for s in ended]), mask_ExN)
+    scores = self.exp.scorer.score(completions, [s["problem"] for s in ended])
+    failures = scores.failures()
+    if failures:
+      logging.warning("Step %d: the reward function %s", step, failures)
+    for seq, reward in zip(ended, scores.rewards_B):
+      seq["reward"] = float(reward)
+      self.finished[seq["uid"]] = seq
+    return scores.errors, scores.timeouts
+
+  def _upload(self, batch: list[dict]) -> tuple[Rollouts, np.ndarray, np.ndarray, list[dict]]:
+    """The trained batch's rollouts on the device, with its rewards after the overlong handling; (rollouts, those
+    rewards and trained_B on the host, the logged samples)."""
+    exp = self.exp
+    lengths_B = np.array([s["length"] for s in batch])
+    mask_BxN = np.arange(exp.response_len)[None, :] < lengths_B[:, None]
+    truncated_B = np.array([not s["eos"] for s in batch])
+    rewards_B, trained_B = trained_rewards(self.member.algo, np.array([s["reward"] for s in batch], np.float32),
+                                           lengths_B, truncated_B, exp.response_len)
+    shown = batch[:self.log_samples_count]
+    texts = exp.decode_responses(np.stack([s["tokens"] for s in shown]), mask_BxN[:len(shown)]) if shown else []
+    examples = samples_log.examples([s["problem"] for s in shown], texts, [s["reward"] for s in shown], lengths_B,
+                                    truncated_B)
     host = (np.stack([s["prompt"][0] for s in batch]), np.stack([s["prompt"][1] for s in batch]),
             np.stack([s["tokens"] for s in batch]) * mask_BxN + exp.tokenizer.pad_id * ~mask_BxN,
             np.stack([s["logps"] for s in batch]) * mask_BxN, mask_BxN, rewards_B.astype(np.float32), trained_B)
-    uploaded = transfer.to_device("rewards", (host, np.float32(kl_coef), orders),
-                                  (tuple(rows(x.ndim) for x in host), replicated, [replicated] * len(orders)))
-    (device, device_kl_coef, device_orders) = uploaded
-    every = np.array([s["reward"] for s in ended]) if ended else np.zeros(1)
-    lengths_every = np.array([s["length"] for s in ended]) if ended else np.zeros(1)
-    stats = dict(rollout_s=t1 - t0, reward_s=reward_s, samples_generated=len(ended), sampling_rounds=1,
-                 reward_mean=float(every.mean()), reward_std=float(every.std()),
-                 response_len_mean=float(lengths_every.mean()),
-                 truncated_frac=float(np.mean([not s["eos"] for s in ended])) if ended else 0.0,
-                 zero_std_group_frac=float(zero_std_group_frac(rewards_B, g)) if g > 1 else 0.0,
-                 reward_errors=int(errors), reward_timeouts=int(timeouts),
-                 useful_token_frac=sum(c.decoded for c in calls) / max(sum(c.slot_steps for c in calls), 1),
-                 rollout_chunks=sum(c.chunks for c in calls),
-                 reprefill_s=sum(c.reprefill_s for c in calls), preempted=sum(c.preempted for c in calls),
-                 policy_lag_mean=float(lag_BxN.sum() / mask_BxN.sum()), policy_lag_max=int(lag_BxN.max()),
-                 partial_frac=float(spans_B.mean()), carried_over=len(self.carried),
-                 trained_samples=int(trained_B.sum()), examples=examples)
-    return Rollouts(*device), device_kl_coef, device_orders, stats
+    device = transfer.to_device("rewards", host, tuple(sharding.batch_sharding(exp.mesh, x.ndim) for x in host))
+    return Rollouts(*device), rewards_B, trained_B, examples

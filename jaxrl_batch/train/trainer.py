@@ -13,7 +13,6 @@ next step boundary and stop (`runtime.preemption`); a checkpoint is never saved 
 falls back from an unusable latest checkpoint to the previous one; metrics rows are erased only past a checkpoint
 the run resumes from.
 """
-import copy
 import json
 import logging
 import math
@@ -30,15 +29,12 @@ from jaxrl_batch.rl.kl_control import KLController
 from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
 from jaxrl_batch.rl.update import Models
-from jaxrl_batch.runtime import transfer
+from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
-from jaxrl_batch.train import branch, evaluation, rundir, samples_log, sft, writers
+from jaxrl_batch.train import branch, collectors, evaluation, rundir, samples_log, sft, step_row, writers
 from jaxrl_batch.train.async_collector import AsyncCollector
-from jaxrl_batch.train.generator_process import RemoteGenerator
-from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.partial import PartialCollector
-from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.train.workdir_lock import WorkdirLock
 
 
@@ -58,35 +54,6 @@ def _format_example(example: dict) -> str:
 
 MAX_IDLE_STEPS = 20  # Consecutive steps without a trained rollout before the run stops with an error.
 
-# Update metrics copied into metrics.jsonl rows (those of the actor are absent during the critic warm-up).
-METRIC_KEYS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
-               "grad_norm", "value_loss", "critic_grad_norm", "updates", "router_mismatch_frac", "expert_load_cv",
-               "router_aux_loss")
-
-
-def _split_devices(config: ml_collections.ConfigDict, devices) -> tuple[list, Experiment | None]:
-  """(the learner's devices, the rollout's `Experiment` or None when colocated). `config.rollout_mesh.devices` = n
-  > 0 gives the last n devices to generation, with the mesh shape of `rollout_mesh`'s data/fsdp/tensor/expert."""
-  devices = list(devices or jax.devices())
-  rollout = config.get("rollout_mesh")
-  n = rollout.devices if rollout is not None else 0
-  if rollout is not None and rollout.get("process_cores", ""):
-    if n or config.rl.get("max_staleness", 0) < 1 or jax.process_count() > 1:
-      raise ValueError(f"rollout_mesh.process_cores={rollout.process_cores!r} generates in a process of its own, "
-                       "ahead of the learner: it needs rl.max_staleness >= 1, rollout_mesh.devices=0 and a "
-                       "single-process run.")
-    return devices, None
-  if not n:
-    return devices, None
-  if config.rl.get("max_staleness", 0) < 1:
-    raise ValueError(f"rollout_mesh.devices={n} generates on devices of its own, so generation must run ahead of "
-                     "the learner: set rl.max_staleness >= 1, or rollout_mesh.devices=0 (colocated).")
-  if not 0 < n < len(devices):
-    raise ValueError(f"rollout_mesh.devices={n} of {len(devices)} devices: leave at least one to the learner.")
-  rollout_config = copy.deepcopy(config)
-  rollout_config.mesh.update({k: rollout[k] for k in ("data", "fsdp", "tensor", "expert")})
-  return devices[:-n], Experiment.create(rollout_config, devices=devices[-n:])
-
 
 class Trainer:
   """Runs one member of a batch family to its sample budget in `workdir` (resuming if it holds a checkpoint)."""
@@ -96,8 +63,7 @@ class Trainer:
     self.config = config
     self.workdir = os.path.abspath(workdir)
     self.branch_from = branch_from  # Seeds a new workdir from another run's checkpoint (`train.branch`).
-    learner_devices, rollout_exp = _split_devices(config, devices)
-    self.exp = Experiment.create(config, devices=learner_devices)
+    self.exp, self.collector = collectors.build(config, devices)
     self.member = m = self.exp.member
     self.algo = m.algo
     self.optimizer = make_optimizer(config.optim, m.batch_size, m.sample_budget, m.updates_per_step,
@@ -109,22 +75,11 @@ class Trainer:
     evaluation.EvalConfig.from_config(config)  # A malformed `eval` group fails here, before the warm start.
     self.metrics = writers.open_writers(config, self.workdir, m)  # metrics.jsonl and config.writers' sinks.
     self.lock = WorkdirLock(self.workdir)
-    partial = config.get("rollout") is not None and config.rollout.partial
-    if partial and self.algo.max_staleness:
-      raise ValueError("rollout.partial with rl.max_staleness > 0: partial rollouts already let generation run "
-                       "ahead (rollout.max_lookahead); use one of the two.")
-    if partial:
-      self.collector = PartialCollector(self.exp)
-    elif self.algo.max_staleness:
-      cores = config.rollout_mesh.get("process_cores", "") if config.get("rollout_mesh") is not None else ""
-      generator = RemoteGenerator(config, self.exp, cores) if cores else Collector(rollout_exp or self.exp)
-      self.collector = AsyncCollector(generator, self.algo.max_staleness, self.exp.mesh)
-    else:
-      self.collector = Collector(self.exp)
     self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
     self.checkpointer: Checkpointer | None = None  # Opened by `run`, with the base policy and the learner.
     self.graphdef = self.ref_params = self.learner = None
-    self._pending = None  # (host part of a training row, its device metrics): written once fetched.
+    self._pending = None  # (counters, RolloutStats, timing, device metrics) of a step: its row, once fetched.
+    self._last_row = {}
     self._warned_uniform = False
 
   @property
@@ -151,49 +106,46 @@ class Trainer:
   # -- one step --------------------------------------------------------------------------------------------------
 
   def _train_step(self, state: dict, step: int):
-    """Collect, prepare, update. Returns (state, host part of the metrics row, device metrics)."""
+    """Collect, prepare, update. Returns (state, the step's `RolloutStats`, timing fields, device metrics)."""
     learner, start = self.learner, time.time()
-    rollouts, kl_coef, orders, row = self.collector.collect(self.graphdef, state["params"], step, self.kl.coef,
-                                                            learner.orders(step, self.member.batch_size))
+    rollouts, stats = self.collector.collect(self.graphdef, state["params"], step)
     self._flush()  # The previous step's metrics: computed by now, fetched one step late.
     t0 = time.time()
+    replicated = sharding.replicated(self.exp.mesh)
+    orders = learner.orders(step, self.member.batch_size)
+    kl_coef, orders = transfer.to_device("kl_orders", (np.float32(self.kl.coef), orders),
+                                         (replicated, [replicated] * len(orders)))
     with jax.set_mesh(self.exp.mesh):
-      batch, stats = learner.prepare(state, rollouts, self.ref_params, kl_coef)
+      batch, prepared = learner.prepare(state, rollouts, self.ref_params, kl_coef)
       state, out = learner.train(state, batch, orders, step, kl_coef)
     state = jax.block_until_ready(state)
     actor_updates = max(step - self.algo.critic_warmup_steps, 0) * self.member.updates_per_step
-    row.update(update_s=time.time() - t0, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef)
+    timing = dict(update_s=time.time() - t0, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef)
     if isinstance(self.collector, AsyncCollector):
       # Generation (of a later step) and the update ran at once for this share of the step's wall time.
       step_s = time.time() - start
-      busy = row["rollout_s"] + row["reward_s"] + row["update_s"]
-      row["overlap_frac"] = min(max((busy - step_s) / step_s, 0.0), 1.0)
-    return state, row, dict(stats, **out)
+      busy = stats.rollout_s + stats.reward_s + timing["update_s"]
+      timing["overlap_frac"] = min(max((busy - step_s) / step_s, 0.0), 1.0)
+    return state, stats, timing, dict(prepared, **out)
 
   def _flush(self) -> None:
     """Fetches the pending step's metrics (if any), checks them and writes its row."""
     if self._pending is None:
       return
-    row, device = self._pending
+    counters, stats, timing, device = self._pending
     self._pending = None
     out = transfer.to_host("metrics", device)
     checked = [out["loss"]] + ([out["grad_norm"]] if "grad_norm" in out else [])
     if not all(np.isfinite(checked)):
       raise FloatingPointError(
-          f"Non-finite loss ({out['loss']}) or gradient norm ({out.get('grad_norm')}) at step {row['step']}. "
+          f"Non-finite loss ({out['loss']}) or gradient norm ({out.get('grad_norm')}) at step {counters['step']}. "
           + self._nan_advice())
     out = {k: float(v) for k, v in out.items()}
-    out["updates"] = self.member.updates_per_step
-    if "clip_frac_low" in out:
-      out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"]
-    row.update({k: out[k] for k in ("returns_mean", "logp_gap_mean", "vf_explained_var") if k in out})
-    row.update(self._noise_scale(out))
-    row.update({k: out[k] for k in METRIC_KEYS if k in out})
-    row.setdefault("kl", 0.0)
-    row.setdefault("logp_gap_mean", out.get("logp_gap"))  # Sampler vs trainer, before this step's updates.
-    self.kl.update(row["kl"], row.pop("trained_samples"))
+    row = step_row.training_row(counters, stats, timing, out, self._noise_scale(out), self.member.updates_per_step)
+    self.kl.update(row["kl"], stats.trained_samples)
     self._warn_if_uniform(row)
     self.metrics.write(row)
+    self._last_row = row
 
   def _flush_after_error(self) -> None:
     """Writes the last completed step's row (fetched one step late) when a later step fails, so that the run
@@ -327,6 +279,26 @@ class Trainer:
     with transfer.scope("eval"):
       return evaluation.evaluate(self.exp, self.graphdef, params)
 
+  def _log_progress(self, counters: dict, stats, eval_acc: float | None, step_s: float) -> None:
+    """The progress line: samples, reward, held-out accuracy, response length, seconds per step, ETA, a sample."""
+    m, samples, examples = self.member, counters["samples"], stats.examples
+    steps_left = math.ceil(max(m.sample_budget - samples, 0) / m.batch_size)
+    logging.info("step %d | samples %d/%d (%.0f%%) | reward %.3f | eval %s | len %.1f | %.2fs/step | ETA %s%s",
+                 counters["step"], samples, m.sample_budget, 100 * samples / m.sample_budget, stats.reward_mean,
+                 "-" if eval_acc is None else f"{eval_acc:.3f}", stats.response_len_mean, step_s,
+                 _format_eta(step_s * steps_left), _format_example(examples[0]) if examples else "")
+
+  def _save(self, state: dict, meta: dict) -> None:
+    """A checkpoint of `state` with `meta` (progress; the rollouts in flight where they are run state), refused
+    when the state is not finite."""
+    with transfer.scope("checkpoint"):
+      if self._carries_rollouts:
+        meta["rollouts"] = self.collector.state_dict()  # The sequences or batches in flight: run state.
+      if not bool(all_finite(state)):
+        raise FloatingPointError(f"The parameters or optimizer state became non-finite at step {meta['step']}. "
+                                 + self._nan_advice())
+      self.checkpointer.save(meta["step"], state, meta)
+
   def loop(self, state: dict, progress: dict, signals: StopSignals | None = None) -> dict:
     """Steps from `progress` (see `start`) to the sample budget, or until `signals` asks to stop."""
     c, exp, m = self.config, self.exp, self.member
@@ -337,27 +309,26 @@ class Trainer:
     if step == 0:
       held_out = self._evaluate(state["params"])
       eval_acc = held_out["eval_accuracy"]
-      self.metrics.write(dict(step=0, samples=0, wall_s=wall(), **held_out))
+      self.metrics.write(step_row.eval_row(0, 0, wall(), held_out))
       logging.info("Step 0: held-out greedy accuracy %.3f (base policy).", eval_acc)
-    first_step, row, idle = step, {}, 0
+    first_step, idle = step, 0
     stop_at = c.get("stop_at_accuracy", 0.0)
     reached = lambda acc: rundir.reached_accuracy(acc, stop_at)
     while samples < m.sample_budget and not reached(eval_acc):
-      state, row, device_metrics = self._train_step(state, step)
-      trained = row["trained_samples"]
+      state, stats, timing, device_metrics = self._train_step(state, step)
+      trained = stats.trained_samples
       idle = idle + 1 if trained == 0 else 0
       if idle >= MAX_IDLE_STEPS:
         raise RuntimeError(f"No rollout entered the loss for {idle} steps (rl.overlong='mask' and every response "
                            f"was truncated at {exp.response_len} tokens): raise extra_response_tokens / the task's "
                            "response budget, or use rl.overlong='penalty'.")
       step, previous, samples = step + 1, samples, samples + trained
-      generated += row.pop("samples_generated")
-      examples = row.pop("examples", [])
+      generated += stats.samples_generated
       if c.get("log_samples_every_steps", 0) > 0 and step % c.log_samples_every_steps == 0:
-        self.samples_log.write(step, samples, examples)
-      row = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), cold=step == first_step + 1,
-                 **row)
-      self._pending = (row, device_metrics)
+        self.samples_log.write(step, samples, stats.examples)
+      counters = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(),
+                      cold=step == first_step + 1)
+      self._pending = (counters, stats, timing, device_metrics)
       crossed = lambda every: every > 0 and samples // every > previous // every
       done = samples >= m.sample_budget
       stop = signals is not None and signals.should_stop(step)
@@ -367,28 +338,17 @@ class Trainer:
       if evaluate:
         held_out = self._evaluate(state["params"])
         eval_acc = held_out["eval_accuracy"]
-        self.metrics.write(dict(step=step, samples=samples, wall_s=wall(), **held_out))
+        self.metrics.write(step_row.eval_row(step, samples, wall(), held_out))
         done = save = done or save or reached(eval_acc)
       if step % c.log_every_steps == 0 or done:
-        rate = (time.time() - start) / (step - first_step)
-        steps_left = math.ceil(max(m.sample_budget - samples, 0) / m.batch_size)
-        logging.info("step %d | samples %d/%d (%.0f%%) | reward %.3f | eval %s | len %.1f | %.2fs/step | ETA %s%s",
-                     step, samples, m.sample_budget, 100 * samples / m.sample_budget, row["reward_mean"],
-                     "-" if eval_acc is None else f"{eval_acc:.3f}", row["response_len_mean"], rate,
-                     _format_eta(rate * steps_left), _format_example(examples[0]) if examples else "")
+        self._log_progress(counters, stats, eval_acc, (time.time() - start) / (step - first_step))
       if save:
-        with transfer.scope("checkpoint"):
-          meta = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(), kl_coef=self.kl.coef)
-          if self._carries_rollouts:
-            meta["rollouts"] = self.collector.state_dict()  # The sequences or batches in flight: run state.
-          if not bool(all_finite(state)):
-            raise FloatingPointError(f"The parameters or optimizer state became non-finite at step {step}. "
-                                     + self._nan_advice())
-          self.checkpointer.save(step, state, meta)
+        self._save(state, dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(),
+                               kl_coef=self.kl.coef))
       if stop and not done:
         raise Stopped(signals.signum, step, self.checkpointer.directory)
     self._flush()
     logging.info("Done: %d steps, %d samples (%d generated), final held-out accuracy %s%s.", step, samples, generated,
                  eval_acc, f" (stop_at_accuracy={stop_at} reached)" if reached(eval_acc) else "")
-    return dict(row, eval_accuracy=eval_acc)
+    return dict(self._last_row, eval_accuracy=eval_acc)
 

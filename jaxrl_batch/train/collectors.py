@@ -1,0 +1,60 @@
+"""Which collector produces a run's rollouts, chosen once from the config.
+
+- `Collector`: generation and update take turns on the learner's devices (the default).
+- `PartialCollector` (`rollout.partial`): the continuous engine's sequences carry over between steps.
+- `AsyncCollector` (`rl.max_staleness` = k >= 1): generation runs k steps ahead on a host thread, on the learner's
+  devices, on devices of its own (`rollout_mesh.devices`) or in a process of its own (`rollout_mesh.process_cores`,
+  a `RemoteGenerator`).
+"""
+import copy
+
+import jax
+import ml_collections
+
+from jaxrl_batch.train.async_collector import AsyncCollector
+from jaxrl_batch.train.collector import Collector
+from jaxrl_batch.train.generator_process import RemoteGenerator
+from jaxrl_batch.train.partial import PartialCollector
+from jaxrl_batch.train.setup import Experiment
+
+
+def _split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[list, Experiment | None]:
+  """(the learner's devices, the rollout's `Experiment` or None when colocated). `config.rollout_mesh.devices` = n
+  > 0 gives the last n devices to generation, with the mesh shape of `rollout_mesh`'s data/fsdp/tensor/expert."""
+  rollout = config.get("rollout_mesh")
+  n = rollout.devices if rollout is not None else 0
+  if rollout is not None and rollout.get("process_cores", ""):
+    if n or config.rl.get("max_staleness", 0) < 1 or jax.process_count() > 1:
+      raise ValueError(f"rollout_mesh.process_cores={rollout.process_cores!r} generates in a process of its own, "
+                       "ahead of the learner: it needs rl.max_staleness >= 1, rollout_mesh.devices=0 and a "
+                       "single-process run.")
+    return devices, None
+  if not n:
+    return devices, None
+  if config.rl.get("max_staleness", 0) < 1:
+    raise ValueError(f"rollout_mesh.devices={n} generates on devices of its own, so generation must run ahead of "
+                     "the learner: set rl.max_staleness >= 1, or rollout_mesh.devices=0 (colocated).")
+  if not 0 < n < len(devices):
+    raise ValueError(f"rollout_mesh.devices={n} of {len(devices)} devices: leave at least one to the learner.")
+  rollout_config = copy.deepcopy(config)
+  rollout_config.mesh.update({k: rollout[k] for k in ("data", "fsdp", "tensor", "expert")})
+  return devices[:-n], Experiment.create(rollout_config, devices=devices[-n:])
+
+
+def build(config: ml_collections.ConfigDict, devices=None) -> tuple[Experiment, object]:
+  """(the learner's `Experiment`, the run's collector): each has `collect(graphdef, params, step)` ->
+  (`Rollouts`, `RolloutStats`); those that carry rollouts across steps also have `state_dict`/`load_state_dict`."""
+  learner_devices, rollout_exp = _split_devices(config, list(devices or jax.devices()))
+  exp = Experiment.create(config, devices=learner_devices)
+  partial = config.get("rollout") is not None and config.rollout.partial
+  staleness = exp.member.algo.max_staleness
+  if partial and staleness:
+    raise ValueError("rollout.partial with rl.max_staleness > 0: partial rollouts already let generation run "
+                     "ahead (rollout.max_lookahead); use one of the two.")
+  if partial:
+    return exp, PartialCollector(exp)
+  if not staleness:
+    return exp, Collector(exp)
+  cores = config.rollout_mesh.get("process_cores", "") if config.get("rollout_mesh") is not None else ""
+  generator = RemoteGenerator(config, exp, cores) if cores else Collector(rollout_exp or exp)
+  return exp, AsyncCollector(generator, staleness, exp.mesh)
