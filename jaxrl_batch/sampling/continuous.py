@@ -1,38 +1,13 @@
 """The continuous engine: `slots` sequences in flight; a slot whose sequence ends takes the next queued request.
 
-`Requests` are R rows, each naming its prompt among Q prefilled ones (a batch of Q prompts x G samples is
-group-major, `new_requests`). The Q prompts are prefilled once, in one batch, into a prefix store (each prompt's
-keys/values and its last position's logits). A request is admitted into a free slot by copying its prompt's prefix
-into the slot's cache row and sampling its first token from the stored logits (group prefix sharing: one prefill
-per prompt, whatever G); it then decodes in that slot until EOS or its token budget. Every slot has its own count,
-position and cache slot (per-row cache writes); its query attends its span [P - prompt length, the slot fed], as
-`generate`'s rows do. A request that already holds tokens (a partial rollout carried over from an earlier call,
-`train.partial`) is re-prefilled instead: its prompt's prefix, then its tokens, under the current weights.
-
-The host drives the engine in chunks of `chunk` decode steps. Before a chunk it assigns free slots to queued
-requests (one int32 (S,) upload, the "admit" crossing) and sizes the cache to the longest live sequence (xla: the
-power-of-two buckets of `generate.cache_buckets`, grown or shrunk between chunks; pallas: the full length, read
-only over each span); after it, it reads which slots are still live (one bool (S,) download and two scalars, the
-"slots" crossing). A rollout of R requests of mean length n on S slots costs about 2 * (R * n / S / chunk + the
-tail's chunks) host syncs, plus the prefill's. A chunk ends early once no slot is live. Finished slots idle until
-their chunk ends: `EngineStats.useful_token_frac` measures the cost.
-
-Paged cache (sampling.page_size = C > 0, `model.PagedKVCache`): the slot cache reserves every slot's longest
-sequence; a paged one holds the Q prompts' prefill as shared pages of C positions and a pool of `sampling.pages`
-growable pages (plus one trash page that free slots write to), so memory follows the live tokens and more slots fit
-in the same bytes. The host's `PageTable` gives each live slot the pages its chunk will fill before the chunk runs;
-its (S, M) int32 rows of own pages ride up in the admit crossing, beside the (S,) admit and resume arrays (still one
-upload per chunk; the W shared prompt pages of each row are looked up on the device). When the pool cannot cover the
-next chunk, the most recently started sequences are preempted: their pages go back to the pool, they keep their
-tokens and log-probs, and queue first, to be re-prefilled like a carried partial rollout once pages free
-(`EngineStats.preempted`). Tokens are the same as the slot cache's: the key of a token depends only on (request,
-index).
-
-Randomness: the token at index t of request r is drawn with the key fold_in(fold_in(key, uid_r), t), so a request's
-tokens do not depend on the slot count, the chunk, the requests beside it or where a partial rollout was cut
-(beyond rounding); greedy decoding gives `generate`'s tokens.
+Why: with long-tailed response lengths the static engine's block runs to its longest row while the others idle.
+Here the host refills free slots between chunks of `sampling.chunk` decode steps (one small upload and one download
+per chunk), each prompt is prefilled once for its G samples, and a sequence carried over or preempted is
+re-prefilled; a paged cache (`sampling.page_size` > 0) makes memory follow the live tokens. A request's tokens
+depend only on (key, request, token index), not on the slots or the chunk: greedy gives `generate`'s tokens.
+`scheduler` decides which request each slot decodes; this module holds the device programs and the loop that runs
+those decisions (docs/results/2026-12-06-engine-notes.md has the details and the cost in host syncs).
 """
-import collections
 import dataclasses
 import functools
 import time
@@ -48,6 +23,7 @@ from jaxrl_batch.model.moe import stacked_experts
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.sampling.generate import Rollout, cache_buckets, recorded_experts
 from jaxrl_batch.sampling.pages import PageTable
+from jaxrl_batch.sampling.scheduler import EVICT, Plan, Scheduler
 from jaxrl_batch.sampling.strategies import SamplingParams, choose
 
 
@@ -117,9 +93,6 @@ class EngineStats:
   def useful_token_frac(self) -> float:
     """Decoded tokens per slot-step: 1.0 when no slot ever idles."""
     return self.decoded / max(self.slot_steps, 1)
-
-
-EVICT = -2  # admit_S of a slot whose sequence is preempted
 
 
 def _row_keys(key, uid_S, index_S):
@@ -397,6 +370,81 @@ def _width(needed: int, full: int, backend: str) -> int:
   return full if backend == "pallas" else min(1 << max(needed - 1, 0).bit_length(), full)
 
 
+def _page_table(sampling: SamplingParams, slots: int, prompts: int, prompt_len: int, max_new_tokens: int
+                ) -> PageTable:
+  """The own pages of a paged cache's slots: sampling.pages (0 = every slot at the longest length) after the
+  prompts' pages. Raises ValueError if the pool cannot hold one sequence."""
+  c, n = sampling.page_size, max_new_tokens
+  own_full = -(-(n - 1) // c)  # own pages of a sequence at the longest length
+  pool = sampling.pages or slots * own_full
+  if pool < own_full:
+    raise ValueError(f"sampling.pages={pool} cannot hold one sequence: {n - 1} tokens take {own_full} pages of "
+                     f"{c} slots. Raise sampling.pages to at least {own_full}.")
+  return PageTable(slots=slots, first=prompts * (prompt_len // c), pages=pool, page_size=c)
+
+
+class _Run:
+  """The device side of one `decode` call: what every chunk reads (weights, the prompts' prefix, the requests, the
+  key), the arrays the chunks pass on (slots, outputs) and the figures of the chunks run. With a paged cache,
+  `pages` is the page table the scheduler fills and each chunk lays out."""
+
+  def __init__(self, graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, rng, *, eos_id: int,
+               sampling: SamplingParams, slots: int, row_sharding):
+    self.graphdef, self.params, self.requests, self.rng = graphdef, params, requests, rng
+    self.eos_id, self.sampling, self.n = eos_id, sampling, requests.tokens_RxN.shape[1]
+    self.chunks = self.slot_steps = self.decoded = 0
+    self.reprefill_s = 0.0
+    c = sampling.page_size
+    if c:
+      if row_sharding is not None and len(row_sharding(1).device_set) > 1:
+        raise ValueError("sampling.page_size > 0 (a paged KV cache) runs on one device per rollout for now: shard "
+                         "the rollout over one device (sampling.page_size = 0 keeps the slot cache, which shards).")
+      prompt_QxP, prompt_valid_QxP = _left_padded(prompt_QxP, prompt_valid_QxP, pad=-prompt_QxP.shape[1] % c)
+    self.p = prompt_QxP.shape[1]
+    self.prefix = _prefill(graphdef, params, prompt_QxP, prompt_valid_QxP)
+    layers, moe = len(self.prefix.cache.k_layers), self.prefix.experts_QxPxLxK is not None
+    if c:
+      self.pages = _page_table(sampling, slots, prompt_QxP.shape[0], self.p, self.n)
+      self.state, self.outputs = _starter(slots, 0, layers, None, self.pages.pages, c, moe)(self.prefix, requests)
+      self.prefix = self.prefix._replace(cache=None)
+    else:
+      self.pages, self.buckets = None, cache_buckets(self.p, self.n, sampling.backend)
+      self.state, self.outputs = _starter(slots, self.buckets[0], layers, row_sharding, moe=moe)(self.prefix, requests)
+
+  def _laid_out(self, plan: Plan, fed: int):
+    """The chunk's own pages, int32 (S, M), with a paged cache; else None, the slot cache sized to the bucket of
+    the longest sequence by the chunk's end."""
+    if self.pages is not None:
+      full = -(-(self.n - 1) // self.pages.page_size)
+      return self.pages.rows(_width(max(self.pages.widest, -(-fed // self.pages.page_size)), full,
+                                    self.sampling.backend))
+    needed = min(max(self.p + plan.longest + self.sampling.chunk - 1, self.p + fed), self.buckets[-1])
+    size = next(size for size in self.buckets if size >= needed)
+    if size != self.state.cache.length:
+      self.state = self.state._replace(cache=_resized(self.state.cache, size))
+    return None
+
+  def chunk(self, plan: Plan) -> tuple[np.ndarray, int]:
+    """Carries `plan` out: one upload (the "admit" crossing), the re-prefills, up to sampling.chunk decode steps
+    and one download (the "slots" crossing). Returns the host bool (S,) slots still live and the steps run."""
+    fed = fed_bucket(plan.resumed_longest, self.n) if plan.resuming else 0
+    own_SxM = self._laid_out(plan, fed)
+    admit_S, resume_S, own_SxM = transfer.to_device("admit", (plan.admit_S, plan.resume_S, own_SxM),
+                                                    self.state.live_S.sharding)
+    if plan.resuming:
+      t0 = time.perf_counter()
+      self.state = jax.block_until_ready(_resume(self.graphdef, self.params, self.state, self.outputs, self.prefix,
+                                                 self.requests, resume_S, own_SxM, fed=fed))
+      self.reprefill_s += time.perf_counter() - t0
+    self.state, self.outputs, steps, tokens = _chunk(
+        self.graphdef, self.params, self.state, self.outputs, self.prefix, self.requests, admit_S, self.rng, own_SxM,
+        steps=self.sampling.chunk, eos_id=self.eos_id, sampling=self.sampling)
+    live_S, steps, tokens = transfer.to_host("slots", (self.state.live_S, steps, tokens))
+    self.chunks, self.decoded = self.chunks + 1, self.decoded + int(tokens)
+    self.slot_steps += len(plan.admit_S) * int(steps)
+    return np.array(live_S), int(steps)
+
+
 def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, held_R, order, rng, *, eos_id: int,
            sampling: SamplingParams, slots: int, stop=None, row_sharding=None, on_ended=None) -> Decoded:
   """Decodes `requests` (device) on `slots` slots, admitting them in `order` (host request indices). Requests
@@ -409,108 +457,21 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
 
   With sampling.page_size = C > 0 the cache is paged (`model.PagedKVCache`, one device): the prompts are
   left-padded to a multiple of C and prefilled into shared prompt pages, and each slot takes pages of a pool of
-  sampling.pages (0 = enough for every slot at the longest length) a chunk ahead. When the pool runs short, the
-  most recently started sequences are preempted (their pages freed, their tokens kept) and queue first again, to
-  be re-prefilled as pages free. See the module docstring."""
-  r, n = requests.tokens_RxN.shape
-  s, c = slots, sampling.page_size
-  held_R = np.array(held_R, np.int64)
-  if c:
-    if row_sharding is not None and len(row_sharding(1).device_set) > 1:
-      raise ValueError("sampling.page_size > 0 (a paged KV cache) runs on one device per rollout for now: shard "
-                       "the rollout over one device (sampling.page_size = 0 keeps the slot cache, which shards).")
-    prompt_QxP, prompt_valid_QxP = _left_padded(prompt_QxP, prompt_valid_QxP, pad=-prompt_QxP.shape[1] % c)
-  p = prompt_QxP.shape[1]
-  prefix = _prefill(graphdef, params, prompt_QxP, prompt_valid_QxP)
-  layers, moe = len(prefix.cache.k_layers), prefix.experts_QxPxLxK is not None
-  if c:
-    own_full = -(-(n - 1) // c)  # own pages of a sequence at the longest length
-    pool = sampling.pages or s * own_full
-    if pool < own_full:
-      raise ValueError(f"sampling.pages={pool} cannot hold one sequence: {n - 1} tokens take {own_full} pages of "
-                       f"{c} slots. Raise sampling.pages to at least {own_full}.")
-    pages = PageTable(slots=s, first=prompt_QxP.shape[0] * (p // c), pages=pool, page_size=c)
-    state, outputs = _starter(s, 0, layers, None, pool, c, moe)(prefix, requests)
-    prefix = prefix._replace(cache=None)
-  else:
-    buckets = cache_buckets(p, n, sampling.backend)
-    state, outputs = _starter(s, buckets[0], layers, row_sharding, moe=moe)(prefix, requests)
-  queue = collections.deque(sorted(order, key=lambda i: held_R[i] == 0))  # the carried first, in order
-  request_S, count_S, live_S = np.full(s, -1, np.int64), np.zeros(s, np.int64), np.zeros(s, bool)
-  started_S = np.zeros(s, np.int64)  # when each slot's sequence started (preemption takes the latest)
-  ended_R = np.zeros(r, bool)
-  chunks = slot_steps = decoded = started = preempted = pages_peak = 0
-  reprefill_s = 0.0
-
-  def fed_after_chunk(count):  # tokens a sequence holding `count` may have fed by the end of the chunk
-    return min(count + sampling.chunk - 1, n - 1)
-
-  while queue or live_S.any():
-    admit_S, resume_S = np.full(s, -1, np.int32), np.full(s, -1, np.int32)
-    if c:  # the live sequences' pages for this chunk; the latest started ones give theirs back while short
-      live = list(np.flatnonzero(live_S))
-      while sum(pages.extra_for(x, fed_after_chunk(count_S[x])) for x in live) > pages.free:
-        victim = max(live, key=lambda x: started_S[x])
-        live.remove(victim)
-        pages.release(victim)
-        queue.appendleft(request_S[victim])
-        held_R[request_S[victim]], admit_S[victim] = count_S[victim], EVICT
-        live_S[victim], request_S[victim], preempted = False, -1, preempted + 1
-      for x in live:
-        pages.grow(x, fed_after_chunk(count_S[x]))
-    for slot in np.flatnonzero(~live_S):
-      if not queue:
-        break
-      held = max(int(held_R[queue[0]]), 1)
-      if c:
-        if pages.extra_for(slot, fed_after_chunk(held)) > pages.free:
-          break
-        pages.grow(slot, fed_after_chunk(held))
-      request_S[slot] = queue.popleft()
-      (resume_S if held_R[request_S[slot]] > 0 else admit_S)[slot] = request_S[slot]
-      count_S[slot], live_S[slot], started_S[slot], started = held, True, started, started + 1
-    occupied_S = live_S.copy()
-    resuming = resume_S >= 0
-    fed = fed_bucket(int(count_S[resuming].max()), n) if resuming.any() else 0
-    if c:
-      pages_peak = max(pages_peak, pages.held)
-      width = _width(max(pages.widest, -(-fed // c)), own_full, sampling.backend)
-      own_SxM = pages.rows(width)
-    else:
-      own_SxM = None
-      size = next(size for size in buckets
-                  if size >= min(max(p + int(count_S[occupied_S].max()) + sampling.chunk - 1, p + fed),
-                                 buckets[-1]))
-      if size != state.cache.length:
-        state = state._replace(cache=_resized(state.cache, size))
-    admit_S, resume_S, own_SxM = transfer.to_device("admit", (admit_S, resume_S, own_SxM), state.live_S.sharding)
-    if resuming.any():
-      t0 = time.perf_counter()
-      state = jax.block_until_ready(_resume(graphdef, params, state, outputs, prefix, requests, resume_S, own_SxM,
-                                            fed=fed))
-      reprefill_s += time.perf_counter() - t0
-    state, outputs, steps, tokens = _chunk(graphdef, params, state, outputs, prefix, requests, admit_S, rng,
-                                           own_SxM, steps=sampling.chunk, eos_id=eos_id, sampling=sampling)
-    live_S, steps, tokens = transfer.to_host("slots", (state.live_S, steps, tokens))
-    live_S = np.array(live_S)
-    if on_ended is not None and (occupied_S & ~live_S).any():
-      on_ended(outputs, request_S[occupied_S & ~live_S].copy())
-    for slot in np.flatnonzero(occupied_S & ~live_S):
-      ended_R[request_S[slot]] = True
-      request_S[slot] = -1
-      if c:
-        pages.release(slot)
-    count_S += int(steps) * live_S
-    chunks, slot_steps, decoded = chunks + 1, slot_steps + s * int(steps), decoded + int(tokens)
-    if stop is not None and stop(ended_R, slot_steps // s):
+  sampling.pages (0 = enough for every slot at the longest length) a chunk ahead; when the pool runs short the
+  scheduler preempts (`scheduler.Scheduler`)."""
+  run = _Run(graphdef, params, prompt_QxP, prompt_valid_QxP, requests, rng, eos_id=eos_id, sampling=sampling,
+             slots=slots, row_sharding=row_sharding)
+  scheduler = Scheduler(slots=slots, order=order, held_R=held_R, chunk=sampling.chunk, max_new_tokens=run.n,
+                        pages=run.pages)
+  while scheduler.pending:
+    ended = scheduler.finish(*run.chunk(scheduler.plan()))
+    if on_ended is not None and len(ended):
+      on_ended(run.outputs, ended)
+    if stop is not None and stop(scheduler.ended_R, run.slot_steps // slots):
       break
-  held = np.zeros(r, np.int64)
-  held[request_S[live_S]] = count_S[live_S]
-  for i in queue:  # carried or preempted, not resumed yet: they keep their tokens
-    held[i] = held_R[i]
-  return Decoded(outputs, ended_R, held, EngineStats(chunks=chunks, slot_steps=slot_steps, decoded=decoded,
-                                                     reprefill_s=reprefill_s, preempted=preempted,
-                                                     pages_peak=pages_peak), prefix.experts_QxPxLxK)
+  stats = EngineStats(chunks=run.chunks, slot_steps=run.slot_steps, decoded=run.decoded, reprefill_s=run.reprefill_s,
+                      preempted=scheduler.preempted, pages_peak=scheduler.pages_peak)
+  return Decoded(run.outputs, scheduler.ended_R, scheduler.held(), stats, run.prefix.experts_QxPxLxK)
 
 
 def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
