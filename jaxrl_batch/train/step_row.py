@@ -13,7 +13,7 @@ from jaxrl_batch.sampling import EngineStats
 
 # Update metrics copied into training rows as they come (those of the actor are absent during the critic warm-up).
 UPDATE_KEYS = ("returns_mean", "vf_explained_var", "loss", "policy_loss", "entropy", "clip_frac", "clip_frac_low",
-               "clip_frac_high", "ratio_mean", "grad_norm", "value_loss", "critic_grad_norm", "updates",
+               "clip_frac_high", "ratio_mean", "tis_capped_frac", "grad_norm", "value_loss", "critic_grad_norm", "updates",
                "router_mismatch_frac", "expert_load_cv", "router_aux_loss")
 
 
