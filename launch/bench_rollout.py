@@ -23,8 +23,9 @@ Each point decodes R requests on S slots, once per --engine (one record each): R
 --rollouts on each of --slots; the static engine in blocks of S rows run to their longest response, the continuous
 one keeping S sequences in flight (--chunk decode steps per host sync), the paged one doing so over a pool of
 --pages pages of --page_size slots (its records' kv_cache_bytes against the others' give the memory). What is timed
-and how the roofline is computed: `jaxrl_batch.sampling.benchmark` and `jaxrl_batch.sampling.roofline`. --compare_hf
-runs transformers' `generate` (torch, imported only then) on the same weights (`jaxrl_batch.hf.side_by_side`).
+and how the roofline is computed: docs/results/2026-12-06-engine-notes.md and `jaxrl_batch.sampling.roofline`.
+--compare_hf runs transformers' `generate` (torch, imported only then) on the same weights
+(`jaxrl_batch.hf.side_by_side`).
 
 Writes --out (JSON, rewritten after each point, so a sweep cut short still reports): the settings, the machine's load
 (`os.getloadavg()` at the start and end), the rates measured before the sweep (`machine`), and per point one record

@@ -1,42 +1,10 @@
-"""Rollout throughput of the engines (`sampling.rollout`) on random weights: prefill and decode speed against the
-roofline, vs concurrency and, with long-tailed response lengths, static vs continuous batching.
+"""Rollout throughput of the engines (`sampling.rollout`) on random weights, against the roofline.
 
-Prompts of `prompt_len` random tokens. Response lengths, exactly, by one of two modes:
-  new_tokens (no `length_dist`): every row generates `new_tokens` tokens (the EOS id is one the model cannot
-    produce). With `max_len` above prompt_len + new_tokens the token budget is max_len - prompt_len and the model is
-    forced to emit EOS as its new_tokens-th token (`EosAt`), so the same tokens are generated under a larger budget:
-    the decode cost should follow the tokens generated, not the budget.
-  length_dist: each request stops at its own length drawn from the distribution (`draw_lengths`, seeded by `seed`),
-    handed to the engine as its token budget (`budget_B`) with an EOS id the model cannot produce, so every engine
-    generates exactly the same tokens (when greedy).
-
-A measurement ("point") decodes R requests on S slots, once per engine of `engine` (one record each): R = S = each of
-`concurrency` (all rows in one block, as `generate` alone), or with `rollouts`, R = rollouts on each S of `slots`.
-static: `generate` over blocks of S rows, each run until its longest response ends; continuous: S sequences in
-flight, a finished one's slot taking the next request, in chunks of `chunk` decode steps per host sync; paged: the
-continuous engine over a paged cache (`page_size` slots a page, a pool of `pages` growable pages, 0 = every slot at
-the longest response), sequences holding pages as they grow and preempted when the pool runs short. Each record's
-`kv_cache_bytes` is what its engine's cache holds while decoding (the prompts' prefix included), so a paged point at
-more slots than a slot-cache point, with the pages that fit the same bytes, measures concurrency at equal memory.
-
-Per point and engine the prefill time is that of the same call with every budget 1 (the continuous engine's includes
-its R / S admission chunks), the decode time the rest of a full run; each is the best of `repeats` timed runs after
-a compiling one, every run of the point (each engine's and, with `compare_hf`, Hugging Face's) taking turns
-(`roofline.best_seconds`). The device's rates are measured before the sweep and after each point, and a record's
-roofline (`roofline.step_roofline`: a step of S rows at the mean live length, over the tokens decoded, of prompt_len
-+ the response so far) uses the better of the two around its runs: other processes on the machine swing both by tens
-of percent. `roofline_fraction` = roofline ms / measured ms per decode step (1.0 = at the roofline); a step decodes
-S rows, live or not, so the useful work per step is `useful_token_frac` of it.
-
-A mixture-of-experts model (`num_experts` > 0: every layer's MLP E experts of width `moe_d_ff`, k =
-`num_experts_per_tok` per token) reads per decode step only the experts its S rows are routed to: each record has
-the roofline's expected count under uniform routing and the count measured on the point's tokens (`sweep`). Random
-routers are close to uniform, so the two agree here; a trained router is less uniform and reads fewer.
-
-With `partial_budget`, each point also gets a "partial" record: partial rollouts emulated in steady state over its
-requests (`steady_state`): steps of `partial_budget` decode steps, the sequences in flight carried over and
-re-prefilled, free slots refilled; its times include the re-prefills and cover only the steps whose queue did not
-run dry.
+Why: to see where decode time goes, vs concurrency and, with long-tailed response lengths, static vs continuous vs
+paged batching. Every engine of a point generates exactly the same tokens (lengths are forced through token
+budgets or a forced EOS), so their times compare; each time is the best of a few interleaved runs, and the roofline
+uses the device rates measured around them. `launch.bench_rollout` runs `sweep`; the modes, timings and record
+fields are explained in docs/results/2026-12-06-engine-notes.md.
 """
 import dataclasses
 import os
@@ -320,6 +288,117 @@ def _check(s: Settings):
                        "slots dividing the requests (the static engine's blocks).")
 
 
+def _lengths(s: Settings, requests: int) -> np.ndarray:
+  """int64 (requests,) response lengths of a point: drawn from length_dist, else new_tokens each (the budget's end
+  or the forced EOS)."""
+  if s.length_dist:
+    return draw_lengths(s.length_dist, requests, s.seed)
+  return np.full(requests, s.new_tokens, np.int64)
+
+
+def _live_len(prompt_len: int, lengths_R: np.ndarray) -> float:
+  """The mean live length over the decoded tokens: response token t (t = 1..L-1) is chosen attending prompt_len + t
+  slots."""
+  decoded = int((lengths_R - 1).sum())
+  return prompt_len + float((lengths_R * (lengths_R - 1) / 2).sum()) / max(decoded, 1)
+
+
+def _bench_model(s: Settings, graphdef, params) -> tuple[tuple, int]:
+  """The (graphdef, params) the engines decode with and its EOS id: with max_len above prompt_len + new_tokens
+  (no length_dist), the model forced to emit EOS as its new_tokens-th token (`EosAt`); else the model, with an EOS
+  id it cannot produce."""
+  if not s.length_dist and s.budget > s.new_tokens:  # EOS as the new_tokens-th token: from prompt_len + new_tokens - 2
+    eos_id = s.vocab_size - 1
+    model = EosAt(nnx.merge(graphdef, params), eos_id, s.prompt_len + s.new_tokens - 2)
+  else:  # no EOS: an id the model cannot produce
+    eos_id, model = s.vocab_size, nnx.merge(graphdef, params)
+  return nnx.split(model), eos_id
+
+
+def _hf_runner(s: Settings, cfg: ModelConfig, params):
+  """With compare_hf, `prompt_BxP -> run(new_tokens)`: transformers' generate (torch) on the same weights; else
+  None."""
+  if not s.compare_hf:
+    return None
+  from jaxrl_batch.hf import side_by_side  # pylint: disable=import-outside-toplevel  (the hf extra: safetensors)
+  hf = side_by_side.hf_model(cfg, params)
+  return lambda prompt_BxP: side_by_side.hf_generate(hf, prompt_BxP, s.temperature)
+
+
+def _timed_runs(s: Settings, bench, eos_id: int, prompt_BxP: np.ndarray, lengths_R: np.ndarray, slots: int,
+                run_hf) -> tuple[list[float], dict]:
+  """The best seconds of each engine's prefill (every budget 1: the same program, no decode step) and full run,
+  in turns, then Hugging Face's (`run_hf`, if given); and each engine's last full run, (Rollout, EngineStats or
+  None) by mode."""
+  requests = len(lengths_R)
+  budget_R = jnp.asarray(lengths_R if s.length_dist else np.full(requests, s.budget), jnp.int32)
+  ones_R = jnp.ones((requests,), jnp.int32)
+  prefills, runs, fns = {}, {}, []
+  for mode in s.engine:
+    run = _engine(s, mode, *bench, eos_id, prompt_BxP, slots)
+    fns += [_keeping(prefills, mode, run, ones_R), _keeping(runs, mode, run, budget_R)]
+  if run_hf is not None:
+    fns += [lambda: run_hf(1), lambda: run_hf(s.new_tokens)]
+  return best_seconds(fns, s.repeats), runs
+
+
+def _record(s: Settings, mode: str, out: Rollout, stats: EngineStats | None, lengths_R: np.ndarray, slots: int,
+            prefill_s: float, decode_s: float) -> dict:
+  """`mode`'s record of a point (`sweep`) but its roofline, from its run's Rollout and figures; raises
+  RuntimeError if the run generated other lengths than asked."""
+  requests = len(lengths_R)
+  got_R = np.asarray(out.lengths_B)
+  if not np.array_equal(got_R, lengths_R):
+    wrong = got_R != lengths_R
+    raise RuntimeError(f"{mode}: {int(wrong.sum())} of {requests} rows generated other lengths than asked, "
+                       f"e.g. {got_R[wrong][:4].tolist()} tokens for {lengths_R[wrong][:4].tolist()}")
+  stats = stats or static_stats(got_R, slots)
+  record = dict(engine=mode, length_dist=s.length_dist or f"fixed:{s.new_tokens}", concurrency=slots,
+                slots=slots, rollouts=requests, length_mean=float(lengths_R.mean()),
+                length_max=int(lengths_R.max()), prefill_s=prefill_s, decode_s=decode_s,
+                **_speeds(requests * s.prompt_len, lengths_R, stats.slot_steps / slots, prefill_s, decode_s),
+                chunks=stats.chunks, slot_steps=stats.slot_steps, decoded=stats.decoded,
+                useful_token_frac=stats.useful_token_frac,
+                kv_cache_bytes=kv_cache_bytes(s, mode, requests, slots))
+  if mode == "paged":
+    record.update(page_size=s.page_size, pages=s.pages, preempted=stats.preempted, pages_peak=stats.pages_peak,
+                  reprefill_s=stats.reprefill_s)
+  return record
+
+
+def _compare_hf(s: Settings, record: dict, out: Rollout, run_hf, lengths_R: np.ndarray, *, hf_prefill_s: float,
+                hf_decode_s: float):
+  """Adds Hugging Face's speeds (prefixed hf_), the speedups over them and, when greedy, hf_same_tokens."""
+  prompt_tokens = len(lengths_R) * s.prompt_len
+  record.update({f"hf_{k}": v for k, v in _speeds(prompt_tokens, lengths_R, s.new_tokens - 1, hf_prefill_s,
+                                                   hf_decode_s).items()})
+  record["decode_speedup_vs_hf"] = record["decode_tok_s"] / record["hf_decode_tok_s"]
+  record["tok_s_speedup_vs_hf"] = record["tok_s"] / record["hf_tok_s"]
+  if not s.temperature:  # (the forced EOS, if any, aside)
+    same = run_hf(s.new_tokens)[:, s.prompt_len:].numpy() == np.asarray(out.tokens_BxN)[:, :s.new_tokens]
+    record["hf_same_tokens"] = float(same[:, :s.new_tokens - 1].mean())
+
+
+def _add_roofline(record: dict, cfg: ModelConfig, slots: int, live_len: float, rates: dict):
+  """Adds the rates used, the step roofline at `live_len` and roofline_fraction."""
+  record.update(bandwidth_bytes_per_s=rates["bandwidth_bytes_per_s"],
+                matmul_flops_per_s=rates["matmul_flops_per_s"], live_len=live_len,
+                **step_roofline(cfg, slots, live_len, rates))
+  record["roofline_fraction"] = record["roofline_ms"] / record["decode_step_ms"]
+
+
+def _compare_to_static(s: Settings, records: dict, runs: dict):
+  """Adds to every record but the static one's, when the static engine ran at the point, its decode speedup and,
+  when greedy, the fraction of token positions equal to the static engine's."""
+  for mode, record in records.items():
+    if mode != "static" and "static" in records:
+      record["decode_speedup_vs_static"] = record["decode_tok_s"] / records["static"]["decode_tok_s"]
+      if not s.temperature:
+        if mode in runs:
+          same_RxN = np.asarray(runs[mode][0].tokens_BxN) == np.asarray(runs["static"][0].tokens_BxN)
+          record["same_tokens_vs_static"] = float(same_RxN.mean())
+
+
 def sweep(s: Settings) -> Iterator[dict]:
   """Measures each point of `s.points()` in turn; yields the report after each, one record per engine longer.
 
@@ -343,90 +422,35 @@ def sweep(s: Settings) -> Iterator[dict]:
   _check(s)
   cfg = s.model_config()
   graphdef, params = random_params(cfg, s.seed)
-  if not s.length_dist and s.budget > s.new_tokens:  # EOS as the new_tokens-th token: from prompt_len + new_tokens - 2
-    eos_id = s.vocab_size - 1
-    model = EosAt(nnx.merge(graphdef, params), eos_id, s.prompt_len + s.new_tokens - 2)
-  else:  # no EOS: an id the model cannot produce
-    eos_id, model = s.vocab_size, nnx.merge(graphdef, params)
-  bench_graphdef, bench_params = nnx.split(model)
+  bench, eos_id = _bench_model(s, graphdef, params)
   machine = measure_machine(s.dtype, s.bandwidth_mb, s.matmul_size)
-  hf = None
-  if s.compare_hf:
-    from jaxrl_batch.hf import side_by_side  # pylint: disable=import-outside-toplevel  (the hf extra: safetensors)
-    hf = side_by_side.hf_model(cfg, params)
+  hf_runner = _hf_runner(s, cfg, params)
   report = dict(settings=dataclasses.asdict(s), backend=SamplingParams(attention_backend=s.backend).backend,
                 device=str(jax.devices()[0]), load_avg=os.getloadavg(), num_params=cfg.num_params(),
                 num_active_params=cfg.num_params(active=True), machine=machine, results=[])
   for requests, slots in s.points():
-    prompt_BxP = _prompts(s, requests)
-    if s.length_dist:
-      lengths_R = draw_lengths(s.length_dist, requests, s.seed)
-    else:  # new_tokens each: the budget's end or the forced EOS
-      lengths_R = np.full(requests, s.new_tokens, np.int64)
-    budget_R = jnp.asarray(lengths_R if s.length_dist else np.full(requests, s.budget), jnp.int32)
-    ones_R = jnp.ones((requests,), jnp.int32)  # the prefill: the same program, no decode step
-    prefills, runs, fns = {}, {}, []
-    for mode in s.engine:
-      run = _engine(s, mode, bench_graphdef, bench_params, eos_id, prompt_BxP, slots)
-      fns += [_keeping(prefills, mode, run, ones_R), _keeping(runs, mode, run, budget_R)]
-    if hf is not None:
-      run_hf = side_by_side.hf_generate(hf, prompt_BxP, s.temperature)
-      fns += [lambda: run_hf(1), lambda: run_hf(s.new_tokens)]
-    times = best_seconds(fns, s.repeats)
+    prompt_BxP, lengths_R = _prompts(s, requests), _lengths(s, requests)
+    run_hf = None if hf_runner is None else hf_runner(prompt_BxP)
+    times, runs = _timed_runs(s, bench, eos_id, prompt_BxP, lengths_R, slots, run_hf)
     after = measure_machine(s.dtype, s.bandwidth_mb, s.matmul_size)
     rates = {k: max(v, machine[k]) for k, v in after.items()}  # the better of the measurements around the runs
-    # Response token t (t = 1..L-1, decoded) is chosen attending prompt_len + t slots: the mean over those tokens.
-    decoded = int((lengths_R - 1).sum())
-    live_len = s.prompt_len + float((lengths_R * (lengths_R - 1) / 2).sum()) / max(decoded, 1)
+    live_len = _live_len(s.prompt_len, lengths_R)
     records = {}
     for i, mode in enumerate(s.engine):
-      out, stats = runs[mode]
-      got_R = np.asarray(out.lengths_B)
-      if not np.array_equal(got_R, lengths_R):
-        wrong = got_R != lengths_R
-        raise RuntimeError(f"{mode}: {int(wrong.sum())} of {requests} rows generated other lengths than asked, "
-                           f"e.g. {got_R[wrong][:4].tolist()} tokens for {lengths_R[wrong][:4].tolist()}")
-      stats = stats or static_stats(got_R, slots)
       prefill_s, decode_s = times[2 * i], times[2 * i + 1] - times[2 * i]
-      record = dict(engine=mode, length_dist=s.length_dist or f"fixed:{s.new_tokens}", concurrency=slots,
-                    slots=slots, rollouts=requests, length_mean=float(lengths_R.mean()),
-                    length_max=int(lengths_R.max()), prefill_s=prefill_s, decode_s=decode_s,
-                    **_speeds(requests * s.prompt_len, lengths_R, stats.slot_steps / slots, prefill_s, decode_s),
-                    chunks=stats.chunks, slot_steps=stats.slot_steps, decoded=stats.decoded,
-                    useful_token_frac=stats.useful_token_frac,
-                    kv_cache_bytes=kv_cache_bytes(s, mode, requests, slots))
-      if mode == "paged":
-        record.update(page_size=s.page_size, pages=s.pages, preempted=stats.preempted, pages_peak=stats.pages_peak,
-                      reprefill_s=stats.reprefill_s)
-      if hf is not None:
-        hf_prefill_s, hf_decode_s = times[-2], times[-1] - times[-2]
-        record.update({f"hf_{k}": v for k, v in _speeds(requests * s.prompt_len, lengths_R, s.new_tokens - 1,
-                                                         hf_prefill_s, hf_decode_s).items()})
-        record["decode_speedup_vs_hf"] = record["decode_tok_s"] / record["hf_decode_tok_s"]
-        record["tok_s_speedup_vs_hf"] = record["tok_s"] / record["hf_tok_s"]
-        if not s.temperature:  # (the forced EOS, if any, aside)
-          same = run_hf(s.new_tokens)[:, s.prompt_len:].numpy() == np.asarray(out.tokens_BxN)[:, :s.new_tokens]
-          record["hf_same_tokens"] = float(same[:, :s.new_tokens - 1].mean())
-      record.update(bandwidth_bytes_per_s=rates["bandwidth_bytes_per_s"],
-                    matmul_flops_per_s=rates["matmul_flops_per_s"], live_len=live_len,
-                    **step_roofline(cfg, slots, live_len, rates))
-      record["roofline_fraction"] = record["roofline_ms"] / record["decode_step_ms"]
-      records[mode] = record
+      records[mode] = _record(s, mode, *runs[mode], lengths_R, slots, prefill_s, decode_s)
+      if run_hf is not None:
+        _compare_hf(s, records[mode], runs[mode][0], run_hf, lengths_R, hf_prefill_s=times[-2],
+                    hf_decode_s=times[-1] - times[-2])
+      _add_roofline(records[mode], cfg, slots, live_len, rates)
     if s.partial_budget:
-      records["partial"] = _partial_record(s, bench_graphdef, bench_params, eos_id, prompt_BxP, lengths_R, slots,
-                                           live_len, rates)
+      records["partial"] = _partial_record(s, *bench, eos_id, prompt_BxP, lengths_R, slots, live_len, rates)
     if cfg.num_experts:
       measured = measured_distinct_experts(nnx.merge(graphdef, params), prompt_BxP,
                                            np.asarray(runs[s.engine[0]][0].tokens_BxN), lengths_R, slots)
       for record in records.values():
         record["measured_distinct_experts"] = measured
-    for mode, record in records.items():
-      if mode != "static" and "static" in records:
-        record["decode_speedup_vs_static"] = record["decode_tok_s"] / records["static"]["decode_tok_s"]
-        if not s.temperature:
-          if mode in runs:
-            same_RxN = np.asarray(runs[mode][0].tokens_BxN) == np.asarray(runs["static"][0].tokens_BxN)
-            record["same_tokens_vs_static"] = float(same_RxN.mean())
+    _compare_to_static(s, records, runs)
     report["results"] += records.values()
     report["load_avg_end"], machine = os.getloadavg(), after
     yield report

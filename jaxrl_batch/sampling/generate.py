@@ -1,28 +1,12 @@
-"""Autoregressive generation: one prefill into a KV cache, then a jitted decode loop whose cost follows the tokens
+"""The static engine: one prefill into a KV cache, then a jitted decode loop whose cost follows the tokens
 generated, not the token budget.
 
-Prompts are left-padded (right-aligned), so every row writes its next token at the same cache slot, and row b's
-live slots are one span: [P - prompt_len_b, the slot of the token fed] (`masks.DecodeSpan`). Each decode step hands
-the model that span and `SamplingParams.backend` as its static `decode_backend` (`kernels.decode_attention`):
-  xla: reads every slot of the cache window it is given, masking those outside the span, so the window grows
-    through buckets: the decode is a chain of `lax.while_loop` segments, one per window (the smallest power of two
-    above P, doubling, then P + N - 1 to end). A step at live length 40 reads 64 slots whatever the budget N. Once
-    every row has stopped, a `lax.cond` skips the remaining segments. The buckets are static, so this is still one
-    program with no host round-trip. Where the window lives (`grows_in_place`): on TPU and GPU the cache is
-    allocated once at its full size after the prefill, and each segment reads the first slots of that one buffer
-    in place (copying into a growing cache needed twice the memory at 8k tokens); on CPU, where reading part of a
-    larger buffer costs a copy per layer and step, the cache is copied, zero-padded, into each next size between
-    segments (docs/results/2026-12-06-aot-qwen3-30b-a3b.md has both measurements).
-  pallas: the decode kernel reads only each row's live blocks of the cache, in place, so one segment runs
-    over the full P + N - 1 slots. Interpret mode on CPU: for tests at tiny shapes only.
-
-Group prefix sharing (`group_size` g > 1): rows [i*g, (i+1)*g) hold the same prompt. The prefill runs on one row per
-group and its KV cache and last-position logits are repeated to the g rows; the random stream is that of the unshared
-path (one key per step for the whole batch), so tokens and log-probs match it.
-
-Compiles: the static inputs are the shapes (B, P), N, the sampling value, group_size, the ids and the model
-definition. Prompts are padded to the experiment's fixed prompt_len, so each batch size of a family compiles once
-and steady-state steps never recompile.
+Prompts are left-padded, so every row writes its next token at the same cache slot and attends one span
+(`masks.DecodeSpan`). With the xla decode backend a step reads a cache window that grows through power-of-two
+buckets (`cache_buckets`), one `lax.while_loop` segment each, the rest skipped once every row has stopped: one
+program, no host round trip. The pallas kernel reads only each row's live blocks, so one segment covers the whole
+length. The rows of a group (`group_size`) share one prefill of their prompt. Details (where the window lives on
+each platform, the random stream, compiles): docs/results/2026-12-06-engine-notes.md.
 """
 import functools
 from typing import NamedTuple
@@ -84,7 +68,8 @@ class _Carry(NamedTuple):
 
 def grows_in_place() -> bool:
   """Whether the decode segments read growing windows of one full-size cache (TPU, GPU) rather than copies into
-  growing caches (CPU); see the module docstring. The platform the program is traced for."""
+  growing caches (CPU): on CPU reading part of a larger buffer costs a copy per layer and step; elsewhere copying
+  into a growing cache would need twice the memory. The platform the program is traced for."""
   return current_platform() != "cpu"
 
 
@@ -100,63 +85,36 @@ def cache_buckets(prompt_len: int, max_new_tokens: int, backend: str) -> tuple[i
   return (*sizes, full)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
-                                             "group_size"))
-def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
-             pad_id: int, sampling: SamplingParams, group_size: int = 1, budget_B=None) -> Rollout:
-  """Samples up to `max_new_tokens` tokens after each left-padded prompt; stops each row at EOS, or at its own
-  token budget `budget_B` (optional int (B,), <= max_new_tokens).
-
-  The loop ends as soon as every row has produced EOS, and each step reads a cache sized to the live length (see
-  the module docstring), so the cost follows the tokens generated. `group_size` > 1 promises that consecutive
-  groups of that many rows share their prompt (only each group's first row is read) and prefills once per group.
-  """
-  model = nnx.merge(graphdef, params)
+def _prefilled(model, prompt_BxP, prompt_valid_BxP, *, group_size: int, length: int):
+  """The prompts prefilled once per group of `group_size` rows (only each group's first row is read) into a cache
+  of `length` slots: (the cache with each group's row repeated to its rows, logits_GxV of each group's last
+  position, int16 experts_BxPxLxK of the prompt tokens for an MoE model, else None)."""
   b, p = prompt_BxP.shape
-  n, g = max_new_tokens, group_size
-  if n < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {n}.")
-  if g < 1 or b % g:
-    raise ValueError(f"group_size={g} must divide the batch of {b} prompts.")
-  backend = sampling.backend
-  buckets = cache_buckets(p, n, backend)
-
-  # Prefill one row per group into the first bucket, then repeat its cache and last logits to the group.
+  g = group_size
   valid_GxP = prompt_valid_BxP[::g].astype(bool)
-  kv_valid_GxS = jnp.pad(valid_GxP, ((0, 0), (0, buckets[0] - p)))
-  cache = KVCache.zeros(model.cfg, b // g, buckets[0])
+  kv_valid_GxS = jnp.pad(valid_GxP, ((0, 0), (0, length - p)))
+  cache = KVCache.zeros(model.cfg, b // g, length)
   hidden_GxPxD, cache, routings = model.forward(prompt_BxP[::g], positions_from_valid(valid_GxP),
                                                 cache_mask(kv_valid_GxS, 0, p), cache, 0)
   logits_GxV = model.logits(hidden_GxPxD[:, -1:])[:, 0]
   prompt_experts = stacked_experts(routings, b // g, p)
   prompt_experts = None if prompt_experts is None else jnp.repeat(prompt_experts, g, axis=0)
-  cache = cache.repeat_rows(g)
-  in_place = grows_in_place()
-  if in_place:
-    cache = cache.resized(buckets[-1])
-  logits_BxV = jnp.repeat(logits_GxV, g, axis=0)
+  return cache.repeat_rows(g), logits_GxV, prompt_experts
 
-  rng, first_rng = jax.random.split(rng)
-  token_B, logp_B = choose(logits_BxV, first_rng, sampling)
-  budget_B = jnp.full((b,), n, jnp.int32) if budget_B is None else budget_B.astype(jnp.int32)
-  starts_B = p - prompt_valid_BxP.astype(jnp.int32).sum(axis=1)
-  carry = _Carry(
-      step=jnp.array(1, jnp.int32),
-      cache=cache,
-      token_B=token_B,
-      position_B=positions_from_valid(prompt_valid_BxP)[:, -1] + 1,
-      done_B=(token_B == eos_id) | (budget_B <= 1),
-      tokens_BxN=jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token_B),
-      logprobs_BxN=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp_B),
-      experts_BxNxLxK=None if prompt_experts is None else jnp.full((b, n, *prompt_experts.shape[2:]), -1,
-                                                                   jnp.int16),
-      rng=rng)
+
+def _decoded(model, carry: _Carry, starts_B, budget_B, *, buckets: tuple[int, ...], in_place: bool, eos_id: int,
+             pad_id: int, sampling: SamplingParams):
+  """Runs the decode segments from `carry` (see the module docstring): segment i takes the steps whose slot fits
+  the window buckets[i], then, unless every row has stopped, the later segments. Returns (steps run + 1,
+  tokens_BxN, logprobs_BxN, experts_BxNxLxK)."""
+  b, n = carry.tokens_BxN.shape
+  p = buckets[-1] - n + 1  # the last bucket holds P + N - 1 slots
 
   def body(c: _Carry, window: int):
     slot = p + c.step - 1  # cache slot of the previous token, fed now
     span = DecodeSpan(starts_B, jnp.full((b,), slot + 1), window)
     logits_Bx1xV, cache, experts_Bx1xLxK = model.step(c.token_B[:, None], c.position_B[:, None], span, c.cache,
-                                                      slot, decode_backend=backend)
+                                                      slot, decode_backend=sampling.backend)
     rng, step_rng = jax.random.split(c.rng)
     token_B, logp_B = choose(logits_Bx1xV[:, 0], step_rng, sampling)
     token_B = jnp.where(c.done_B, pad_id, token_B)
@@ -177,8 +135,6 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
     return c.step, c.tokens_BxN, c.logprobs_BxN, c.experts_BxNxLxK
 
   def decode(i: int, c: _Carry):
-    """Segment i (steps whose slot fits the window buckets[i]), then, unless every row has stopped, the later
-    segments."""
     size = buckets[i]
     end = min(n, size - p + 1)
     step = functools.partial(body, window=size if in_place else None)
@@ -188,7 +144,13 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
     grown = (lambda c: c) if in_place else (lambda c: c._replace(cache=c.cache.resized(buckets[i + 1])))
     return jax.lax.cond(jnp.all(c.done_B), result, lambda c: decode(i + 1, grown(c)), c)
 
-  steps, tokens_BxN, logprobs_BxN, experts_BxNxLxK = decode(0, carry)
+  return decode(0, carry)
+
+
+def _rollout(steps, tokens_BxN, logprobs_BxN, experts_BxNxLxK, budget_B, prompt_experts_BxPxLxK, prompt_valid_BxP,
+             *, eos_id: int, pad_id: int) -> Rollout:
+  """The decoded tokens as a right-padded Rollout: each row up to its EOS, its budget or the steps run."""
+  n = tokens_BxN.shape[1]
   is_eos_BxN = tokens_BxN == eos_id
   eos_before_BxN = jnp.cumsum(is_eos_BxN, axis=1) - is_eos_BxN
   written_BxN = jnp.arange(n)[None, :] < jnp.minimum(steps, budget_B[:, None])
@@ -200,4 +162,48 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
       mask_BxN=mask_BxN,
       lengths_B=lengths_B,
       truncated_B=~jnp.any(is_eos_BxN & mask_BxN, axis=1),
-      experts_BxTxLxK=recorded_experts(prompt_experts, prompt_valid_BxP, experts_BxNxLxK, lengths_B))
+      experts_BxTxLxK=recorded_experts(prompt_experts_BxPxLxK, prompt_valid_BxP, experts_BxNxLxK, lengths_B))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
+                                             "group_size"))
+def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
+             pad_id: int, sampling: SamplingParams, group_size: int = 1, budget_B=None) -> Rollout:
+  """Samples up to `max_new_tokens` tokens after each left-padded prompt; stops each row at EOS, or at its own
+  token budget `budget_B` (optional int (B,), <= max_new_tokens).
+
+  The loop ends as soon as every row has produced EOS, and each step reads a cache sized to the live length (see
+  the module docstring), so the cost follows the tokens generated. `group_size` > 1 promises that consecutive
+  groups of that many rows share their prompt (only each group's first row is read) and prefills once per group.
+  """
+  model = nnx.merge(graphdef, params)
+  b, p = prompt_BxP.shape
+  n, g = max_new_tokens, group_size
+  if n < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {n}.")
+  if g < 1 or b % g:
+    raise ValueError(f"group_size={g} must divide the batch of {b} prompts.")
+  buckets = cache_buckets(p, n, sampling.backend)
+  cache, logits_GxV, prompt_experts = _prefilled(model, prompt_BxP, prompt_valid_BxP, group_size=g,
+                                                 length=buckets[0])
+  in_place = grows_in_place()
+  if in_place:
+    cache = cache.resized(buckets[-1])
+  rng, first_rng = jax.random.split(rng)
+  token_B, logp_B = choose(jnp.repeat(logits_GxV, g, axis=0), first_rng, sampling)
+  budget_B = jnp.full((b,), n, jnp.int32) if budget_B is None else budget_B.astype(jnp.int32)
+  starts_B = p - prompt_valid_BxP.astype(jnp.int32).sum(axis=1)
+  carry = _Carry(
+      step=jnp.array(1, jnp.int32),
+      cache=cache,
+      token_B=token_B,
+      position_B=positions_from_valid(prompt_valid_BxP)[:, -1] + 1,
+      done_B=(token_B == eos_id) | (budget_B <= 1),
+      tokens_BxN=jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(token_B),
+      logprobs_BxN=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp_B),
+      experts_BxNxLxK=None if prompt_experts is None else jnp.full((b, n, *prompt_experts.shape[2:]), -1,
+                                                                   jnp.int16),
+      rng=rng)
+  decoded = _decoded(model, carry, starts_B, budget_B, buckets=buckets, in_place=in_place, eos_id=eos_id,
+                     pad_id=pad_id, sampling=sampling)
+  return _rollout(*decoded, budget_B, prompt_experts, prompt_valid_BxP, eos_id=eos_id, pad_id=pad_id)
