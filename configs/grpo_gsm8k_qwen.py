@@ -31,7 +31,7 @@ Commands (from the repository root):
 """
 import ml_collections
 
-from configs import grpo_arith
+from configs import base
 from jaxrl_batch.config.args import parse_arg
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.tasks import gsm8k
@@ -96,34 +96,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg.model not in MODELS:
     raise ValueError(f"model={arg.model!r}: use one of {sorted(MODELS)}.")
   tiny = arg.model in TINY
-  c = grpo_arith.get_config(f"lr_rule={arg.lr_rule},seed={arg.seed}")
-  c.task = gsm8k.default_config()
+  group_size = TINY_GROUP_SIZE if tiny else GROUP_SIZE  # The family scales prompts per step (P = B / G).
+  base_batch = TINY_BASE_BATCH if tiny else BASE_PROMPTS * GROUP_SIZE
+  c = base.get_config(base.parse(f"lr_rule={arg.lr_rule},seed={arg.seed}"),
+                      batch=batch_size(arg.batch, arg.prompts, group_size, base_batch), group_size=group_size,
+                      base_lr=TINY_BASE_LR if tiny else BASE_LR, base_batch=base_batch)
+  c.task.update(gsm8k.default_config())
   c.task.name = "gsm8k"  # JSONL rows {"question", "answer": "... #### N"}; task.path "" = the bundled sample.
-  c.task.reward_timeout_s = 30.0  # As in grpo_arith: a reward past it scores 0 and is counted.
-  c.task.reward_workers = 1
-  c.task.stream_rewards = True
   c.task.extraction = "flexible" if tiny else "strict"  # Reward: the number after '####' (strict) or the last one.
+  c.task.max_response_tokens = 0 if tiny else RESPONSE_TOKENS.get(arg.model, 1024)
   c.tokenizer_path = SAMPLE_TOKENIZER if tiny else ""  # "" with init_from: the checkpoint's tokenizer.json.
-  c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.
-  c.chat_template = "none" if tiny else "auto"  # Prompt wrapping: auto (from the tokenizer) | none | chatml | ...
-  memory = dict(logits_chunk=c.model.logits_chunk, remat=c.model.remat)  # grpo_arith's memory settings.
+  c.chat_template = "none" if tiny else "auto"
+  memory = dict(logits_chunk=c.model.logits_chunk, remat=c.model.remat)  # The base recipe's memory settings.
   c.model = ml_collections.ConfigDict(dict(MODELS[arg.model], **memory))
   c.mesh = ml_collections.ConfigDict(sharding.mesh_sizes(arg.mesh or MESHES.get(arg.model, DEFAULT_MESH)))
-  c.sharding_rules = sharding.DEFAULT_RULES
 
-  c.group_size = TINY_GROUP_SIZE if tiny else GROUP_SIZE  # The family scales prompts per step (P = B / G).
-  base_batch = TINY_BASE_BATCH if tiny else BASE_PROMPTS * GROUP_SIZE
-  c.batch_size = batch_size(arg.batch, arg.prompts, c.group_size, base_batch)
   c.micro_batch_size = 8 if tiny else 64
   # Real shapes: blocks recomputed in the backward pass, and the step's batch scored 64 rollouts per forward (the
   # whole batch in one forward needs ~746 GiB per chip for qwen2.5-1.5b at 4k tokens: docs/scaling.md).
   c.model.remat = "none" if tiny else "block"
   c.score_micro_batch_size = 0 if tiny else 64
-  c.rl.update(estimator="grpo", clip_low=0.2, clip_high=0.28, loss_agg="token_mean")
-  c.sampling.temperature = 1.0
-  c.optim.update(base_lr=TINY_BASE_LR if tiny else BASE_LR, base_batch=base_batch, lr_rule=arg.lr_rule,
-                 warmup_samples=0, weight_decay=0.0, grad_clip=1.0)
-  c.task.max_response_tokens = 0 if tiny else RESPONSE_TOKENS.get(arg.model, 1024)
+  c.rl.clip_high = 0.28  # Clip-higher (DAPO).
+  c.optim.warmup_samples = 0
   c.sample_budget = 512 * 1024  # 512 steps of the base member.
   c.eval_every_samples = 32 * 1024
   c.checkpoint_every_samples = 32 * 1024

@@ -13,7 +13,7 @@ CPU (1M-parameter model):
     (B_simple, rollouts) moved between ~170 and ~3700 over the run;
   - throughput in the study (samples/s from the phase clock, sqrt members, 3 seeds): B=16 57.8, B=32 82.0, B=64
     86.4, B=128 83.4 (91.0 and 94.3 under none and linear), i.e. 1.4-1.6x from 16 to 128; the rollout's share of a
-    step is 0.23, 0.33, 0.43, 0.44 (the README's "Measured" section has the study).
+    step is 0.23, 0.33, 0.43, 0.44 (the study: docs/results/2026-12-05-reasoning-study.md).
 Earlier variants, for the record: a warm start that is merely undertrained (160 SFT steps, 0.35) did not improve
 under RL at lr 2e-5 to 5e-5 and collapsed at 1.2e-4 and above; with the carry habit, lr 1.5e-5 and 5e-5 flip to
 0.72 within ~1000 and ~500 samples.
@@ -23,8 +23,8 @@ under RL at lr 2e-5 to 5e-5 and collapsed at 1.2e-4 and above; with the carry ha
 """
 import ml_collections
 
-from configs import grpo_arith
-from jaxrl_batch.tasks import SCORING_FIELDS, long_addition
+from configs import base
+from jaxrl_batch.tasks import long_addition
 
 BASE_BATCH = 32  # B0: the family's reference member (8 prompts x 4 samples).
 BASE_LR = 5e-6  # lr0 at B0 (Adam).
@@ -33,32 +33,26 @@ GROUP_SIZE = 4  # Samples per prompt when the family scales prompts per step.
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """`arg`: as configs/grpo_arith.py ('batch=...,lr_rule=...,seed=...,family_axis=...,debug,moe'); the base member
-  is B0 = 32 (`debug`: the grpo_arith debug model on short problems)."""
-  parsed = grpo_arith.parse(arg)
-  c = grpo_arith.get_config(arg)
-  scoring = {key: c.task[key] for key in SCORING_FIELDS}  # Reward timeout, workers, streaming: as grpo_arith.
-  c.task = long_addition.default_config()
+  """`arg`: base.ARGS ('batch=...,lr_rule=...,seed=...,family_axis=...,debug,moe'); the base member is B0 = 32
+  (`debug`: the base recipe's debug model on short problems)."""
+  arg = base.parse(arg)
+  c = base.get_config(arg, batch=BASE_BATCH, group_size=GROUP_SIZE, base_lr=BASE_LR, base_batch=BASE_BATCH)
+  c.task.update(long_addition.default_config())
   c.task.name = "long_addition"  # Registered task name (jaxrl_batch.tasks.TASKS).
-  c.task.update(scoring)
   c.task.sft_carry_drop = 0.6  # The warm start forgets most carries: greedy, it forgets every one.
   c.task.digits_decay = 0.65  # Responses of 38 tokens on average, up to 123 (max/mean 3.1).
-  c.batch_size = parsed.batch or BASE_BATCH
-  by_prompts = parsed.family_axis == "prompts"
-  c.group_size = GROUP_SIZE if by_prompts else 0
-  c.num_prompts = 0 if by_prompts else BASE_BATCH // GROUP_SIZE
   c.micro_batch_size = 0
   c.micro_batch_tokens = 2048  # Packed updates: ~14 rows of prompt + response per micro-batch.
   c.extra_response_tokens = 8
-  c.sampling.update(engine="continuous", slots=0, chunk=16)
-  c.optim.update(base_lr=BASE_LR, base_batch=BASE_BATCH, warmup_samples=256)
+  c.sampling.engine = "continuous"
+  c.optim.warmup_samples = 256
   c.sample_budget = 4096
   c.eval_every_samples = 64  # ~3% of the samples the base member needs to reach 0.65.
   c.eval.slots = 192  # 768 held-out problems on the continuous engine: 1.5x faster than one block.
   c.stop_at_accuracy = 0.68  # Members end once past the target: a study spends its samples up to it.
   c.checkpoint_every_samples = 1024
-  c.sft.update(steps=240, batch_size=64, lr=3e-3, warmup_steps=30)
-  if parsed.debug:  # Runs end to end in ~25 s on the CPU (operands of 2-6 digits, 128 samples); learning not tuned.
+  c.sft.update(steps=240, lr=3e-3)
+  if arg.debug:  # Runs end to end in ~25 s on the CPU (operands of 2-6 digits, 128 samples); learning not tuned.
     c.task.update(max_digits=6, num_eval=32)
     c.sample_budget, c.eval_every_samples, c.checkpoint_every_samples = 128, 64, 64
     c.stop_at_accuracy = 0.0

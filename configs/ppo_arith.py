@@ -10,29 +10,26 @@ Commands (from the repository root):
 """
 import ml_collections
 
-from configs import grpo_arith
+from configs import base, grpo_arith
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """Same `arg` as configs/grpo_arith.py; `lr_rule` sets the actor's and the critic's rule."""
+  """`arg`: base.ARGS, as configs/grpo_arith.py; `lr_rule` sets the actor's and the critic's rule."""
   c = grpo_arith.get_config(arg)
   c.algo = "ppo"
   c.rl.update(
-      estimator="gae",  # Per-token advantages from the critic.
-      gamma=1.0,  # Undiscounted: the only reward is the outcome at the last token.
+      estimator="gae",  # Per-token advantages from the critic, undiscounted (the reward is the outcome at the end).
       lam=0.95,  # GAE lambda.
       whiten_advantages=True,  # Batch-whitened advantages (standard PPO).
       epochs=2,  # Passes over each rollout batch.
       mini_batches=2,  # Updates per pass.
   )
-  c.critic.update(
-      share_backbone=False,  # A separate critic ...
-      num_layers=0,  # ... with the policy's shape, initialised from the base policy.
-      warmup_steps=4,  # Steps of critic-only training before the actor moves.
-  )
+  # A separate critic with the policy's shape, initialised from the base policy (base.critic_config), trained alone
+  # for a few steps before the actor moves.
+  c.critic.warmup_steps = 4
   c.critic.optim.update(base_lr=3e-4, lr_rule=c.optim.lr_rule)
   c.micro_batch_size = c.batch_size // c.rl.mini_batches // 2
-  if grpo_arith.parse(arg).debug:
+  if base.parse(arg).debug:
     c.critic.warmup_steps = 1
   return c
 

@@ -75,3 +75,13 @@ def test_ppo_without_gae_is_refused():
   c.rl.estimator = "grpo"
   with pytest.raises(ValueError, match="would not use it; set rl.estimator='gae'"):
     AlgoConfig.from_config(c)
+
+
+def test_the_rl_group_must_hold_every_field():
+  c = build("grpo", {})
+  del c.rl["noise_split"]
+  with pytest.raises(ValueError, match=r"missing keys \['noise_split'\]"):
+    AlgoConfig.from_config(c)
+  c = build("grpo", dict(typo_knob=1))
+  with pytest.raises(ValueError, match=r"unknown keys \['typo_knob'\]"):
+    AlgoConfig.from_config(c)

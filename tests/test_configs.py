@@ -23,8 +23,9 @@ from jaxrl_batch.train.setup import Experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE = jax.devices()[:1]
+# Every config file but base.py (the recipe they share, not a config of its own).
 CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
-                 if not p.endswith("__init__.py"))
+                 if os.path.basename(p) not in ("__init__.py", "base.py"))
 SWEEP_BASE_ARG = {"grpo_gsm8k_qwen": "model=qwen2.5-0.5b"}  # The model its sweep() is for (tiny_random: 64 samples).
 
 

@@ -8,9 +8,9 @@ import optax
 import pytest
 from flax import nnx
 
+from configs.base import algo_config
 from jaxrl_batch.kernels.decode_attention import backend_for
 from jaxrl_batch.model import DecodeSpan, KVCache, ModelConfig, Transformer
-from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.update import Models, update
 from jaxrl_batch.runtime import sharding
@@ -129,7 +129,7 @@ def test_the_continuous_engine_lowers(model, platform, backend):
 def test_an_rl_update_lowers(model, platform):
   graphdef, params = model
   tx = optax.adamw(1e-3)
-  models, cfg = Models(graphdef, tx), AlgoConfig()
+  models, cfg = Models(graphdef, tx), algo_config()
   state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
   t = P + N
   batch = TrainBatch(_sds((B, t), jnp.int32), _sds((B, t), jnp.bool_), _sds((B, t), jnp.bool_),

@@ -154,14 +154,14 @@ def test_settings_are_checked():
 
 def test_scoring_in_micro_batches_equals_one_forward():
   """`score` and `reference_logprobs` with score_num_micro = 3 (forwards of one row) give the one-forward values."""
-  from jaxrl_batch.rl.algorithm import AlgoConfig
+  from configs.base import algo_config
   from jaxrl_batch.rl.learner import reference_logprobs
   from jaxrl_batch.rl.update import Models, score
 
   graphdef, params = graphdef_and_params(CFG)
   tokens, valid, _, _ = inputs(False)
   mask = valid.at[:, :T // 2].set(False)
-  models, cfg = Models(graphdef, None), AlgoConfig(old_logp="trainer", temperature=TEMPERATURE)
+  models, cfg = Models(graphdef, None), algo_config(old_logp="trainer", temperature=TEMPERATURE)
   ref = lambda n: reference_logprobs(params, tokens, valid, mask, graphdef=graphdef, temperature=TEMPERATURE,
                                      num_micro=n)
   old = lambda n: score(params, None, tokens, valid, mask, models=models, cfg=cfg, num_micro=n)[0]
@@ -177,7 +177,7 @@ def test_update_under_memory_settings_equals_the_dense_update(settings):
   """One GRPO update (entropy bonus, 2 micro-batches) with chunked logits and remat: the dense update's loss,
   metrics and parameters."""
   import optax
-  from jaxrl_batch.rl.algorithm import AlgoConfig
+  from configs.base import algo_config
   from jaxrl_batch.rl.batch import TrainBatch
   from jaxrl_batch.rl.update import Models, update
 
@@ -189,7 +189,7 @@ def test_update_under_memory_settings_equals_the_dense_update(settings):
   zeros = jnp.zeros((B, T), jnp.float32)
   batch = TrainBatch(tokens, valid, mask, old, old, zeros, per_token(rng.normal(size=(B, 1)) * np.ones((1, T))),
                      zeros, zeros)
-  cfg, tx = AlgoConfig(entropy_coef=0.01), optax.sgd(0.1)
+  cfg, tx = algo_config(entropy_coef=0.01), optax.sgd(0.1)
 
   def step(**model_settings):
     graphdef, params = graphdef_and_params(CFG, **model_settings)

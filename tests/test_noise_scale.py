@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs.base import algo_config
 from jaxrl_batch.rl import losses
-from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.noise_scale import NoiseScale, from_micro_batches, from_signed_gradients, signs
 from jaxrl_batch.rl.packing import Packing
@@ -81,7 +81,7 @@ def test_ema_ratio_converges_to_b_simple_on_noisy_micro_batch_gradients():
 
 def test_noise_split_needs_groups():
   with pytest.raises(ValueError, match="noise_split.*group_size >= 2"):
-    AlgoConfig(estimator="reinforce_pp", noise_split=True).check(1)
+    algo_config(estimator="reinforce_pp", noise_split=True).check(1)
 
 
 def long_batch(rows=32, prompt=16, response=142, seed=0) -> TrainBatch:
@@ -102,7 +102,7 @@ def test_update_signed_gradients_match_their_definition(case):
   """The split's squared norms, through the update's backward passes over micro-batches (padded, packed, or one
   micro-batch of 32 long rows, where jit(vmap(vjp)) miscomputed them on XLA:CPU), equal those of jax.grad of the
   loss with the signed weights on the whole batch; and the step itself is the one the update takes without it."""
-  cfg = AlgoConfig(loss_agg="seq_mean_token_mean", entropy_coef=0.01)
+  cfg = algo_config(loss_agg="seq_mean_token_mean", entropy_coef=0.01)
   batch, num_micro, packing = make_batch(2), 2, None
   if case == "packed":
     packing = Packing(rows=2, length=18)

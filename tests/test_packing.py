@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
+from configs.base import algo_config
 from jaxrl_batch.model import sequence_logits
-from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.learner import reference_logprobs
 from jaxrl_batch.rl.packing import Packing, first_fit_decreasing, pack, plan, unpack
 from jaxrl_batch.rl.update import score
@@ -51,7 +51,7 @@ def test_packing_round_trips_and_counts_the_micro_batches_it_fills():
 def test_attention_stays_within_each_packed_sequence():
   """Logits of the packed rows equal those of each sequence alone (padded)."""
   batch = make_batch(2)
-  models, state = setup(sharding.make_mesh(1, 1, 1, devices=ONE), AlgoConfig())
+  models, state = setup(sharding.make_mesh(1, 1, 1, devices=ONE), algo_config())
   padded = sequence_logits(models.graphdef, state["params"], batch.tokens_BxT, batch.valid_BxT)
   the_plan = plan(batch.valid_BxT, packing=PACKED)
   segment_ids, positions = the_plan.segment_ids_MxRxL, the_plan.positions_MxRxL
@@ -66,9 +66,9 @@ AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "cons
 
 
 @pytest.mark.parametrize("cfg", [
-    *(AlgoConfig(loss_agg=agg, loss_agg_constant=9.0 if agg == "constant" else 0.0, entropy_coef=0.01)
+    *(algo_config(loss_agg=agg, loss_agg_constant=9.0 if agg == "constant" else 0.0, entropy_coef=0.01)
       for agg in AGGREGATIONS),
-    AlgoConfig(old_logp="trainer", tis_cap=1.5, ratio_level="sequence", loss_agg="seq_mean_token_mean"),
+    algo_config(old_logp="trainer", tis_cap=1.5, ratio_level="sequence", loss_agg="seq_mean_token_mean"),
     dataclasses.replace(PPO, loss_agg="seq_mean_token_mean"),
     dataclasses.replace(PPO, share_backbone=True, vf_coef=0.5),
 ], ids=[*AGGREGATIONS, "grpo_tis_gspo", "ppo_separate", "ppo_shared"])
@@ -93,7 +93,7 @@ def test_packed_update_equals_the_padded_one_on_one_device_and_eight(cfg, reques
     pytest.skip("the one-device part passed; the eight-device part needs 8 devices (tests/conftest.py fakes them)")
 
 
-@pytest.mark.parametrize("cfg", [AlgoConfig(old_logp="trainer"), PPO, dataclasses.replace(PPO, share_backbone=True)],
+@pytest.mark.parametrize("cfg", [algo_config(old_logp="trainer"), PPO, dataclasses.replace(PPO, share_backbone=True)],
                          ids=["trainer_logp", "critic_separate", "critic_shared"])
 def test_trainer_logprobs_values_and_reference_over_packed_rows_equal_the_padded_ones(cfg):
   batch = make_batch(5)
@@ -116,7 +116,7 @@ def test_packed_warm_start_step_equals_the_padded_one():
   tx = optax.adam(1e-2)
   outs = []
   for packing in (None, PACKED):
-    models, state = setup(mesh, AlgoConfig())
+    models, state = setup(mesh, algo_config())
     with jax.set_mesh(mesh):
       outs.append(sft_step(state["params"], tx.init(state["params"]), batch.tokens_BxT, batch.valid_BxT,
                            batch.loss_mask_BxT, graphdef=models.graphdef, tx=tx, packing=packing))

@@ -6,10 +6,10 @@ import optax
 import pytest
 from flax import nnx
 
+from configs.base import algo_config
 from jaxrl_batch.model import ModelConfig, Transformer, moe
 from jaxrl_batch.model.masks import causal_mask, positions_from_valid
 from jaxrl_batch.rl import routing
-from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.update import Models, score, update
 from jaxrl_batch.runtime import sharding
@@ -71,7 +71,7 @@ def models():
   return out
 
 
-def _update(graphdef, params, batch, algo=AlgoConfig()):
+def _update(graphdef, params, batch, algo=algo_config()):
   tx = optax.adam(1e-2)
   params = jax.tree.map(jnp.copy, params)  # the update donates its state
   state = dict(params=params, opt_state=tx.init(params))
@@ -98,7 +98,7 @@ def test_routing_replay_uses_the_recorded_experts_and_aux_loss_moves_the_router(
   graphdef, params = models[True]
   batch, experts = _batch(graphdef, params)
   other = (experts + 1) % CFG.num_experts
-  algo = AlgoConfig(old_logp="trainer")
+  algo = algo_config(old_logp="trainer")
   args = (batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT)
   own, _ = score(params, None, *args, experts, models=Models(graphdef, optax.adam(1e-2)), cfg=algo)
   replayed, _ = score(params, None, *args, other, models=Models(graphdef, optax.adam(1e-2)), cfg=algo)
@@ -108,7 +108,7 @@ def test_routing_replay_uses_the_recorded_experts_and_aux_loss_moves_the_router(
   assert np.abs(np.asarray(replayed - own)).max() > 1e-3
 
   def router_after(coef):
-    state, metrics = _update(graphdef, params, batch, AlgoConfig(router_aux_loss_coef=coef))
+    state, metrics = _update(graphdef, params, batch, algo_config(router_aux_loss_coef=coef))
     return np.asarray(nnx.merge(graphdef, state["params"]).blocks[0].mlp.router[...]), metrics
 
   (without, m0), (with_aux, m1) = router_after(0.0), router_after(10.0)
@@ -118,7 +118,7 @@ def test_routing_replay_uses_the_recorded_experts_and_aux_loss_moves_the_router(
 
 def test_negative_aux_loss_coef_is_refused():
   with pytest.raises(ValueError, match="router_aux_loss_coef"):
-    AlgoConfig(router_aux_loss_coef=-1.0).check(8)
+    algo_config(router_aux_loss_coef=-1.0).check(8)
 
 
 @pytest.mark.parametrize("engine", ["static", "continuous"])

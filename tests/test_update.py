@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
+from configs.base import algo_config
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs, split_micro_batches
@@ -62,13 +63,13 @@ def one_step(mesh, num_micro, batch, cfg, kl_coef=0.0, train_actor=True, packing
   return models, before, jax.tree.map(np.asarray, state), metrics
 
 
-PPO = AlgoConfig(algo="ppo", estimator="gae", critic=True)
+PPO = algo_config(algo="ppo", estimator="gae", critic=True)
 
 
 @pytest.mark.parametrize("cfg", [
-    AlgoConfig(),
-    AlgoConfig(loss_agg="seq_mean_token_mean", clip_high=0.28, dual_clip=3.0, entropy_coef=0.01,
-               ratio_level="sequence", old_logp="trainer", tis_cap=1.5),
+    algo_config(),
+    algo_config(loss_agg="seq_mean_token_mean", clip_high=0.28, dual_clip=3.0, entropy_coef=0.01,
+                ratio_level="sequence", old_logp="trainer", tis_cap=1.5),
     dataclasses.replace(PPO, loss_agg="constant", loss_agg_constant=9.0),
     dataclasses.replace(PPO, share_backbone=True, vf_coef=0.5, loss_agg="seq_mean_token_sum"),
 ], ids=["grpo", "all_policy_knobs", "ppo_separate", "ppo_shared"])
@@ -142,10 +143,10 @@ def hand_loss(models, params, batch, cfg, ref_logp=None, kl_coef=0.0):
   return sum(t.sum() for t in terms), sum(np.abs(t).sum() for t in terms)
 
 
-TIS = AlgoConfig(loss_agg="seq_mean_token_mean", entropy_coef=0.05, old_logp="trainer", tis_cap=1.5)
+TIS = algo_config(loss_agg="seq_mean_token_mean", entropy_coef=0.05, old_logp="trainer", tis_cap=1.5)
 
 
-@pytest.mark.parametrize("cfg", [AlgoConfig(), TIS, dataclasses.replace(TIS, tis_mode="mask")],
+@pytest.mark.parametrize("cfg", [algo_config(), TIS, dataclasses.replace(TIS, tis_mode="mask")],
                          ids=["plain", "truncated_is", "decoupled_mask"])
 def test_loss_equals_hand_computation(cfg):
   batch = make_batch(1)
@@ -165,7 +166,7 @@ def test_loss_equals_hand_computation(cfg):
 
 def test_kl_in_the_loss_matches_hand_computed_k3():
   mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
-  cfg = AlgoConfig(kl_coef=0.5)
+  cfg = algo_config(kl_coef=0.5)
   models, state = setup(mesh, cfg)
   _, ref_params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(7)), mesh, sharding.DEFAULT_RULES)
   batch = make_batch(3)
@@ -181,14 +182,14 @@ def test_kl_in_the_loss_matches_hand_computed_k3():
 
 def test_update_raises_logprob_of_positive_advantage_sequences():
   mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
-  models, state = setup(mesh, AlgoConfig())
+  models, state = setup(mesh, algo_config())
   batch = make_batch(2)
   on_policy, _ = sequence_logprobs(models.graphdef, state["params"], batch.tokens_BxT, batch.valid_BxT)
   on_policy = jnp.where(batch.loss_mask_BxT, on_policy, 0.0)
   sign_B = jnp.array([1.0, -1.0] * (B // 2))
   batch = batch._replace(old_logp_BxT=on_policy, sampler_logp_BxT=on_policy,
                          adv_BxT=sign_B[:, None] * batch.loss_mask_BxT)
-  _, before, after, metrics = one_step(mesh, 1, batch, AlgoConfig())
+  _, before, after, metrics = one_step(mesh, 1, batch, algo_config())
   # On-policy: the update's log-probs are these to rounding (another program), a few ulps of |logp| (about 3 here).
   logp_size = float(jnp.abs(on_policy).sum() / batch.loss_mask_BxT.sum())
   assert metrics["clip_frac_low"] == metrics["clip_frac_high"] == 0.0 and metrics["logp_gap"] < 1e-5 * logp_size

@@ -11,49 +11,54 @@ from jaxrl_batch.rl.advantages import ESTIMATORS, GROUP_ESTIMATORS
 from jaxrl_batch.rl.losses import AGGREGATIONS, KL_ESTIMATORS, TIS_MODES
 
 ALGOS = ("grpo", "ppo")
+# Fields read from outside the `rl` group: config.algo, config.sampling.temperature and the critic group.
+NOT_RL = ("algo", "temperature", "critic", "share_backbone", "critic_layers", "vf_clip", "vf_coef",
+          "critic_warmup_steps")
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
-  """See the commented `rl` and `critic` groups of configs/grpo_arith.py and configs/ppo_arith.py."""
+  """The run's `algo`, its `rl` group, the critic's fields of `critic` (named critic_* here) and the sampling
+  temperature. Built by `from_config`; every field comes from the config, where configs/base.py sets and comments
+  its default (no defaults here, so there is one place for each)."""
 
-  algo: str = "grpo"
-  estimator: str = "grpo"
-  gamma: float = 1.0
-  lam: float = 1.0
-  whiten_advantages: bool = False
-  clip_low: float = 0.2
-  clip_high: float = 0.2
-  dual_clip: float = 0.0
-  ratio_level: str = "token"
-  loss_agg: str = "token_mean"
-  loss_agg_constant: float = 0.0
-  kl_coef: float = 0.0
-  kl_estimator: str = "k3"
-  kl_in: str = "loss"
-  kl_target: float = 0.0
-  kl_horizon: int = 10_000
-  epochs: int = 1
-  mini_batches: int = 1
-  old_logp: str = "sampler"
-  tis_cap: float = 0.0
-  tis_mode: str = "truncate"
-  max_staleness: int = 0
-  dynamic_sampling: bool = False
-  max_sampling_rounds: int = 3
-  overlong: str = "none"
-  overlong_buffer: int = 0
-  overlong_penalty: float = 1.0
-  entropy_coef: float = 0.0
-  router_aux_loss_coef: float = 0.0
-  noise_split: bool = False
-  temperature: float = 1.0
-  critic: bool = False
-  share_backbone: bool = False
-  critic_layers: int = 0
-  vf_clip: float = 0.2
-  vf_coef: float = 1.0
-  critic_warmup_steps: int = 0
+  algo: str
+  estimator: str
+  gamma: float
+  lam: float
+  whiten_advantages: bool
+  clip_low: float
+  clip_high: float
+  dual_clip: float
+  ratio_level: str
+  loss_agg: str
+  loss_agg_constant: float
+  kl_coef: float
+  kl_estimator: str
+  kl_in: str
+  kl_target: float
+  kl_horizon: int
+  epochs: int
+  mini_batches: int
+  old_logp: str
+  tis_cap: float
+  tis_mode: str
+  max_staleness: int
+  dynamic_sampling: bool
+  max_sampling_rounds: int
+  overlong: str
+  overlong_buffer: int
+  overlong_penalty: float
+  entropy_coef: float
+  router_aux_loss_coef: float
+  noise_split: bool
+  temperature: float
+  critic: bool
+  share_backbone: bool
+  critic_layers: int
+  vf_clip: float
+  vf_coef: float
+  critic_warmup_steps: int
 
   @property
   def use_kl(self) -> bool:
@@ -70,10 +75,11 @@ class AlgoConfig:
     """Reads config.algo, config.rl, config.critic and the sampling temperature; refuses bad combinations.
     `group_size`: samples per prompt of the member (`family.Member.group_size`; default `config.group_size`)."""
     rl, critic = config.rl, config.critic
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(rl.keys()) - fields)
-    if unknown:
-      raise ValueError(f"Unknown config.rl keys {unknown}; valid keys are {sorted(fields - {'algo', 'critic'})}.")
+    rl_fields = {f.name for f in dataclasses.fields(cls)} - set(NOT_RL)
+    unknown, missing = sorted(set(rl.keys()) - rl_fields), sorted(rl_fields - set(rl.keys()))
+    if unknown or missing:
+      raise ValueError(f"config.rl: unknown keys {unknown}, missing keys {missing}; the group holds "
+                       f"{sorted(rl_fields)} (configs/base.py's rl_config).")
     out = cls(algo=config.algo, temperature=config.sampling.temperature or 1.0, critic=config.algo == "ppo",
               share_backbone=critic.share_backbone, critic_layers=critic.num_layers, vf_clip=critic.vf_clip,
               vf_coef=critic.vf_coef, critic_warmup_steps=critic.warmup_steps, **dict(rl))
