@@ -13,6 +13,7 @@ import pytest
 
 from configs import grpo_arith
 from jaxrl_batch.analysis import analyze
+from jaxrl_batch.config import migrate
 from jaxrl_batch.tasks import make_task
 from jaxrl_batch.tasks.countdown import CountdownTask
 from jaxrl_batch.train import rundir
@@ -67,7 +68,7 @@ def test_eval_config_is_checked_and_older_configs_resume():
   new = grpo_arith.get_config("debug")
   old = json.loads(new.to_json())
   del old["eval"]
-  assert EvalConfig.from_config(old) == EvalConfig()
+  assert EvalConfig.from_config(migrate.complete(old)) == EvalConfig()  # Read back: greedy only.
   new.eval.num_samples = 8
   assert rundir.config_diff(old, json.loads(new.to_json())) == []  # A run written before `eval` existed resumes.
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs import grpo_arith, ppo_arith
+from jaxrl_batch.config import migrate
 from jaxrl_batch.config.args import apply_overrides
 from jaxrl_batch.runtime.checkpointing import Checkpointer, NoUsableCheckpoint, all_finite
 from jaxrl_batch.study.runner import run_study
@@ -321,10 +322,40 @@ def test_sigterm_then_kill_9_then_rerun_give_the_uninterrupted_rows(base_cache, 
   assert rundir.rows_mismatch(rundir.read_metrics(straight), rundir.read_metrics(str(workdir))) is None
 
 
-def test_a_run_written_before_a_field_existed_resumes_only_at_its_old_behaviour():
-  new = json.loads(grpo_arith.get_config("debug").to_json())
-  old = json.loads(json.dumps(new))
-  del old["rl"]["noise_split"], old["rollout_mesh"]["process_cores"]
-  assert rundir.config_diff(old, new) == []
-  new["rl"]["noise_split"], new["rollout_mesh"]["process_cores"] = True, "0"
-  assert rundir.config_diff(old, new) == ["rl.noise_split: None -> True", "rollout_mesh.process_cores: None -> '0'"]
+def _rewrite_config(workdir, edit):
+  """Applies `edit` to the "config" of workdir's config.json, as an older or foreign program would have written it."""
+  path = rundir.config_path(workdir)
+  content = json.load(open(path))
+  edit(content["config"])
+  with open(path, "w") as f:
+    json.dump(content, f)
+
+
+def _drop_newer_fields(config):
+  for name in migrate.ADDED:
+    *groups, key = name.split(".")
+    node = config
+    for group in groups:
+      node = node.get(group, {})
+    node.pop(key, None)
+
+
+def test_a_config_json_from_before_newer_fields_resumes_with_them_filled(finished_run, base_cache, tmp_path, caplog):
+  workdir = copy_of(finished_run, tmp_path)
+  _rewrite_config(workdir, _drop_newer_fields)
+  assert "stop_at_accuracy" not in json.load(open(rundir.config_path(workdir)))["config"]
+  caplog.set_level("INFO")
+  saved = rundir.read_config(workdir)["config"]
+  assert "predates fields of the recipe" in caplog.text and "rl.noise_split=False" in caplog.text
+  assert rundir.config_diff(saved, json.loads(config(base_cache).to_json())) == []
+  Trainer(config(base_cache), workdir, devices=ONE).run()  # Resumes (finished: nothing to redo).
+  assert rundir.read_metrics(workdir) == rundir.read_metrics(finished_run)
+  with pytest.raises(ValueError, match=r"different config \(rl.noise_split: False -> True\)"):  # Not as it ran.
+    Trainer(config(base_cache, overrides=["rl.noise_split=True"]), workdir, devices=ONE).run()
+
+
+def test_a_config_json_with_an_unknown_field_is_refused_on_resume(finished_run, base_cache, tmp_path):
+  workdir = copy_of(finished_run, tmp_path)
+  _rewrite_config(workdir, lambda c: c["rl"].update(future_knob=1.0))
+  with pytest.raises(ValueError, match=r"different config \(rl.future_knob: 1.0 -> None\)"):
+    Trainer(config(base_cache), workdir, devices=ONE).run()

@@ -32,7 +32,7 @@ def measured(run_dir: str) -> dict:
     raise ValueError(f"{run_dir} logged no noise_scale: train it with micro-batches (micro_batch_size < the batch) "
                      "or with --config.rl.noise_split=True.")
   batch = int(config["batch_size"])
-  group = int(config.get("group_size") or 0) or batch // int(config["num_prompts"])
+  group = int(config["group_size"]) or batch // int(config["num_prompts"])
   return dict(run=run_dir, batch=batch, group_size=group, rows=len(rows), **means)
 
 

@@ -71,11 +71,12 @@ class Run:
     return bool(self.train_samples[-1] >= self.sample_budget) or self.stopped_early
 
 
-def _read_config(run_dir: str) -> tuple[str, int, int, int, int]:
+def _read_config(run_dir: str) -> tuple[dict, str, int, int, int, int]:
+  """(config.json's config, completed by `rundir.read_config`; lr rule, batch, seed, sample budget, staleness)."""
   try:
     config = rundir.read_config(run_dir)["config"]
-    return (config["optim"]["lr_rule"], int(config["batch_size"]), int(config["seed"]), int(config["sample_budget"]),
-            int(config.get("rl", {}).get("max_staleness", 0)))
+    return (config, config["optim"]["lr_rule"], int(config["batch_size"]), int(config["seed"]),
+            int(config["sample_budget"]), int(config["rl"]["max_staleness"]))
   except (json.JSONDecodeError, KeyError, TypeError) as e:
     raise ValueError(f"{rundir.config_path(run_dir)} is not a launch.train config.json (needs config.batch_size, "
                      f"config.seed, config.sample_budget, config.optim.lr_rule): {e!r}. Remove the run or rewrite "
@@ -122,7 +123,7 @@ def read_run(run_dir: str, name: str, metric: str = "eval_accuracy") -> Run | st
   missing = [os.path.basename(p) for p in (rundir.config_path(run_dir), metrics_path) if not os.path.isfile(p)]
   if missing:
     return f"no {' or '.join(missing)}"
-  rule, batch, seed, budget, staleness = _read_config(run_dir)
+  config, rule, batch, seed, budget, staleness = _read_config(run_dir)
   train, evals = _read_rows(metrics_path, metric)
   if len(train) < 2:
     return f"{len(train)} training rows (needs 2: the first is excluded as compile time)"
@@ -135,7 +136,7 @@ def read_run(run_dir: str, name: str, metric: str = "eval_accuracy") -> Run | st
             phase_s=np.array([r["phases"] for r in train]),
             cold=np.array([r["cold"] for r in train]) | clock.first_row_cold(len(train)), staleness=staleness,
             stopped_early=(train[-1]["samples"] < budget
-                           and rundir.is_finished(run_dir, rundir.read_config(run_dir)["config"])))
+                           and rundir.is_finished(run_dir, config)))
   _increasing(run.eval_samples, metrics_path, "evaluation")
   _increasing(run.train_samples, metrics_path, "training")
   if np.any(run.phase_s < 0) or run.phase_s[~run.cold].sum() <= 0:

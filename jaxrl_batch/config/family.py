@@ -205,13 +205,13 @@ class Member:
 def _prompts_and_group(config) -> tuple[int, int, str]:
   """(P, G, derivation) from batch_size and the family axis: the config fixes the axis's other factor, and the
   scaled one is B / that factor."""
-  b, axis = config.batch_size, config.get("family_axis", "prompts")
+  b, axis = config.batch_size, config.family_axis
   if axis not in FAMILY_AXES:
     raise ValueError(f"family_axis={axis!r}: use one of {FAMILY_AXES}.")
   if b <= 0:
     raise ValueError(f"batch_size={b} must be > 0 (rollouts per step).")
   fixed_name, derived_name = ("group_size", "num_prompts") if axis == "prompts" else ("num_prompts", "group_size")
-  fixed, given = config.get(fixed_name, 0), config.get(derived_name, 0)
+  fixed, given = config[fixed_name], config[derived_name]
   if fixed < 1:
     raise ValueError(f"{fixed_name}={fixed}: a family_axis={axis} member fixes {fixed_name}; set it >= 1.")
   if b % fixed:
@@ -246,9 +246,9 @@ def member(config, data_parallel: int = 1) -> Member:
     raise ValueError(f"micro_batch_size={config.micro_batch_size} must divide the mini-batch (batch_size / "
                      f"rl.mini_batches = {mini}) and be divisible by the data-parallel device count {data_parallel};"
                      " 0 uses the whole mini-batch.")
-  score_micro = config.get("score_micro_batch_size", 0) or b
+  score_micro = config.score_micro_batch_size or b
   if score_micro < 0 or b % score_micro or score_micro % data_parallel:
-    raise ValueError(f"score_micro_batch_size={config.get('score_micro_batch_size')} must divide batch_size={b} and "
+    raise ValueError(f"score_micro_batch_size={config.score_micro_batch_size} must divide batch_size={b} and "
                      f"be divisible by the data-parallel device count {data_parallel}; 0 scores the whole batch in "
                      "one forward.")
   for name in ("eval_every_samples", "checkpoint_every_samples"):
@@ -258,13 +258,13 @@ def member(config, data_parallel: int = 1) -> Member:
     raise ValueError(f"log_every_steps={config.log_every_steps} must be >= 1 (steps between progress lines).")
   if config.sample_budget < b:
     raise ValueError(f"sample_budget={config.sample_budget} is smaller than one batch ({b} rollouts).")
-  stop_at = config.get("stop_at_accuracy", 0.0)
+  stop_at = config.stop_at_accuracy
   if not 0 <= stop_at <= 1 or (stop_at and not config.eval_every_samples):
     raise ValueError(f"stop_at_accuracy={stop_at}: the held-out accuracy (0..1] that ends the run early, checked at "
                      "each evaluation (so eval_every_samples must be > 0); 0 = train to sample_budget.")
   actor_lr, actor_adam = optimizer_settings(config.optim, b)
   critic_lr, critic_adam = optimizer_settings(config.critic.optim, b) if algo.critic else (None, None)
-  return Member(algo=algo, family_axis=config.get("family_axis", "prompts"), seed=config.seed, batch_size=b,
+  return Member(algo=algo, family_axis=config.family_axis, seed=config.seed, batch_size=b,
                 num_prompts=p, group_size=g, mini_batch_size=mini, micro_batch_size=micro, num_micro=mini // micro,
                 sample_budget=config.sample_budget, total_steps=math.ceil(config.sample_budget / b),
                 actor_lr=actor_lr, actor_adam=actor_adam, critic_lr=critic_lr, critic_adam=critic_adam,

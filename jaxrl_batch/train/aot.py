@@ -200,7 +200,7 @@ def _experiment(config: ml_collections.ConfigDict, devices, prompt_len: int, res
   # The rest as `Experiment.create` derives it from the lengths.
   if member.algo.loss_agg == "constant" and not member.algo.loss_agg_constant:
     member = dataclasses.replace(member, algo=dataclasses.replace(member.algo, loss_agg_constant=float(response_len)))
-  packing = packing_for(config.get("micro_batch_tokens", 0), prompt_len + response_len, data_parallel)
+  packing = packing_for(config.micro_batch_tokens, prompt_len + response_len, data_parallel)
   return Experiment(config, member, mesh, tokenizer, task, None, ModelConfig.from_config(config.model), prompt_len,
                     response_len, chat, packing)
 
@@ -361,16 +361,16 @@ def _program_rollout(step: _Step):
 
 
 def _partial(config: ml_collections.ConfigDict) -> bool:
-  return config.get("rollout") is not None and bool(config.rollout.get("partial", False))
+  return config.rollout.partial
 
 
 def _generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
   """Why the step's generation is not compiled on this mesh (a rollout mesh or a process of its own), or None."""
-  rollout = config.get("rollout_mesh")
-  if rollout is not None and rollout.get("process_cores", ""):
+  rollout = config.rollout_mesh
+  if rollout.process_cores:
     return (f"rollout_mesh.process_cores={rollout.process_cores!r}: generation runs in a CPU process of its own "
             "(`train.generator_process`), the weights shipped to it as host arrays")
-  if rollout is not None and rollout.get("devices", 0):
+  if rollout.devices:
     return (f"rollout_mesh.devices={rollout.devices} (generation on chips of its own) is not compiled yet: the "
             "check builds one mesh over every chip")
   return None
@@ -735,7 +735,7 @@ def _knobs(name: str, exp: Experiment) -> list[str]:
   elif name == "update" and m.micro_batch_size > dp:
     knobs.append(f"micro_batch_size (now {m.micro_batch_size}; e.g. {max(dp, m.micro_batch_size // 2)})")
   elif name != "update":
-    knobs.append(f"score_micro_batch_size (now {config.get('score_micro_batch_size', 0)}; rows per forward, 0 = "
+    knobs.append(f"score_micro_batch_size (now {config.score_micro_batch_size}; rows per forward, 0 = "
                  f"the whole batch; e.g. {max(dp, m.micro_batch_size)})")
   if name == "update" and cfg.remat == "none":
     knobs.append("model.remat (now 'none'; 'block' keeps only each block's input for the backward pass)")
@@ -847,7 +847,7 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
              micro_batch_size=m.micro_batch_size,
              num_micro=m.num_micro, score_num_micro=m.score_num_micro, group_size=m.group_size,
              prompt_len=exp.prompt_len, response_len=exp.response_len,
-             micro_batch_tokens=exp.config.get("micro_batch_tokens", 0),
+             micro_batch_tokens=exp.config.micro_batch_tokens,
              engine=exp.sampling.engine, slots=exp.sampling.slots, state_bytes_per_chip=_per_chip_bytes(step.state))
   mesh = {k: int(v) for k, v in exp.mesh.shape.items()}
   return Report(topology_json, mesh, run, results)

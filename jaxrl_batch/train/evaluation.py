@@ -44,8 +44,8 @@ class EvalConfig:
 
   @classmethod
   def from_config(cls, config) -> "EvalConfig":
-    """The run config's `eval` group; a config without one (older runs) evaluates greedily only."""
-    return cls(**config.get("eval", {}))
+    """The run config's `eval` group."""
+    return cls(**config["eval"])
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

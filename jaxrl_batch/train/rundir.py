@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from jaxrl_batch.config import migrate
 from jaxrl_batch.runtime.distributed import is_main_process
 
 CONFIG = "config.json"
@@ -58,12 +59,14 @@ def tb_dir(run_dir: str) -> str:
 
 
 def read_config(run_dir: str) -> dict | None:
-  """config.json's content, or None when the run has none yet."""
+  """config.json's content, or None when the run has none yet; a config written before fields the recipe has now
+  comes back with them filled in as its run did (`config.migrate`), so readers need no fallbacks."""
   path = config_path(run_dir)
   if not os.path.exists(path):
     return None
   with open(path) as f:
-    return json.load(f)
+    content = json.load(f)
+  return dict(content, config=migrate.complete(content["config"], path)) if "config" in content else content
 
 
 def write_config(run_dir: str, content: dict) -> None:
@@ -76,18 +79,13 @@ def write_config(run_dir: str, content: dict) -> None:
   os.replace(tmp, config_path(run_dir))
 
 
-# Fields added after runs were written, with the value that does what those runs did: a saved config without one
-# resumes under a config that holds that value.
-ADDED_FIELDS = {"rl.noise_split": False, "rollout_mesh.process_cores": ""}
-
-
 def config_diff(saved: dict, new: dict, prefix: str = "") -> list[str]:
-  """Dotted names of fields whose values differ between two config dicts (ignoring RESUMABLE_FIELDS, and
-  ADDED_FIELDS absent from `saved` and at their old behaviour in `new`)."""
+  """Dotted names of fields whose values differ between two config dicts, ignoring RESUMABLE_FIELDS (`saved` as
+  `read_config` returns it: completed with the fields added since it was written)."""
   diffs = []
   for key in sorted(set(saved) | set(new)):
     name = prefix + key
-    if name in RESUMABLE_FIELDS or (key not in saved and name in ADDED_FIELDS and new[key] == ADDED_FIELDS[name]):
+    if name in RESUMABLE_FIELDS:
       continue
     a, b = saved.get(key), new.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
@@ -139,7 +137,7 @@ def is_finished(run_dir: str, config) -> bool:
   rows = read_metrics(run_dir)
   trained = max((r["samples"] for r in rows if "reward_mean" in r), default=0)
   last_eval = next((r["eval_accuracy"] for r in reversed(rows) if "eval_accuracy" in r), None)
-  return trained >= config["sample_budget"] or reached_accuracy(last_eval, config.get("stop_at_accuracy", 0.0))
+  return trained >= config["sample_budget"] or reached_accuracy(last_eval, config["stop_at_accuracy"])
 
 
 # Fields of a metrics row that the config and seed determine (timings excluded): a resumed run must reproduce them.

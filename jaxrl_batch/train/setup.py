@@ -86,13 +86,13 @@ class Experiment:
     member = family.member(config, sharding.data_parallel_size(mesh))
     task_cfg = {k: v for k, v in config.task.items() if k != "name"}
     task = tasks.make_task(config.task.name, ml_collections.ConfigDict(task_cfg))
-    init_from = config.get("init_from", "")
+    init_from = config.init_from
     tokenizer = load_tokenizer(config.tokenizer_path or init_from or task.tokenizer_path())
     model_cfg = ModelConfig.from_config(config.model)
     if init_from:
       check_pretrained_shape(init_from, model_cfg)
     tokenizer_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-    chat = chat_template_lib.resolve(config.get("chat_template", "none"), tokenizer.chat_template)
+    chat = chat_template_lib.resolve(config.chat_template, tokenizer.chat_template)
     # A template adds the same tokens around every prompt; 4 spare columns absorb merges at its boundaries.
     overhead = len(tokenizer.encode(chat_template_lib.render_prompt(chat, ""))) + 4 if chat else 0
     prompt_len = len(tokenizer.bos_ids) + task.max_prompt_len(tokenizer) + overhead
@@ -100,7 +100,7 @@ class Experiment:
     if member.algo.loss_agg == "constant" and not member.algo.loss_agg_constant:  # Its one default: the budget.
       member = dataclasses.replace(member, algo=dataclasses.replace(member.algo, loss_agg_constant=float(response_len)))
     return cls(config, member, mesh, tokenizer, task, tasks.make_scorer(task, config.task), model_cfg, prompt_len,
-               response_len, chat, packing_for(config.get("micro_batch_tokens", 0), prompt_len + response_len,
+               response_len, chat, packing_for(config.micro_batch_tokens, prompt_len + response_len,
                                                sharding.data_parallel_size(mesh)))
 
   def _module_fn(self, seed: int):

@@ -135,7 +135,7 @@ def pretrained(exp: Experiment):
 
 def load_or_train(exp: Experiment, directory: str | None = None):
   """The cached base policy for `exp` (training and caching it first if absent): (graphdef, params, path)."""
-  if exp.config.get("init_from", ""):
+  if exp.config.init_from:
     return pretrained(exp)
   directory = directory or base_dir(exp)
   graphdef, abstract = exp.abstract_params()

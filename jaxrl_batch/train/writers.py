@@ -37,12 +37,12 @@ WANDB_MODES = ("", "online", "offline", "disabled")
 
 def writer_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   """`config.writers`, checked (`--config.writers=jsonl,tensorboard` gives one comma-separated name: split)."""
-  names = tuple(name.strip() for item in config.get("writers", ("jsonl",)) for name in item.split(","))
+  names = tuple(name.strip() for item in config.writers for name in item.split(","))
   unknown = [name for name in names if name not in WRITERS]
   if unknown or "jsonl" not in names:
     raise ValueError(f"config.writers={names}: {f'unknown {unknown}' if unknown else 'jsonl is missing'}. Name "
                      f"writers from {WRITERS}, always with 'jsonl' (metrics.jsonl is the run's record).")
-  mode = config.wandb.mode if "wandb" in config else ""
+  mode = config.wandb.mode
   if mode not in WANDB_MODES:
     raise ValueError(f"config.wandb.mode={mode!r}: use one of {WANDB_MODES} ('' = W&B's default).")
   return names

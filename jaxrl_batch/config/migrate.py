@@ -1,0 +1,48 @@
+"""Old config.json files brought up to date, in one place: the fields added to the recipe after runs were written.
+
+Each entry of `ADDED` is a dotted field and the value that does what a run written before the field existed did.
+It is history, not a default (configs/base.py holds the defaults of new runs): an entry never changes once written,
+and a field added to the recipe gets one. `complete` fills the missing fields into a saved config when config.json
+is read (`train.rundir.read_config`: resume, branch, analysis), so that the library reads every field directly. Keys
+that no recipe has are kept: a resume then refuses the run as a different config, as before.
+"""
+import copy
+import logging
+
+ADDED = {
+    "family_axis": "prompts",  # Families scaled prompts per step at a fixed group size.
+    "num_prompts": 0,  # Derived: batch_size / group_size.
+    "score_micro_batch_size": 0,  # The step's batch scored in one forward.
+    "micro_batch_tokens": 0,  # No packing.
+    "stop_at_accuracy": 0.0,  # Every run trained to its sample_budget.
+    "init_from": "",  # The supervised warm start.
+    "chat_template": "none",  # Prompts as the task writes them.
+    "writers": ["jsonl"],  # metrics.jsonl only.
+    "eval": dict(num_samples=0, temperature=1.0, slots=0),  # Greedy evaluation only.
+    "log_samples_every_steps": 0,  # No samples.jsonl.
+    "log_samples_count": 0,
+    "log_samples_max_chars": 0,
+    "rollout": dict(partial=False, partial_budget=0, max_lookahead=1),  # Every step's rollouts run to their end.
+    "rollout_mesh": dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1, process_cores=""),  # Colocated generation.
+    "rollout_mesh.process_cores": "",  # Generation in the learner's process.
+    "rl.max_staleness": 0,  # Synchronous.
+    "rl.noise_split": False,  # noise_scale alone.
+    "rl.router_aux_loss_coef": 0.0,  # No load-balancing term in the loss.
+}
+
+
+def complete(config: dict, source: str = "config.json") -> dict:
+  """A copy of the saved `config` (config.json's "config") with every field of `ADDED` it lacks filled in; a log
+  line from `source` names what was filled."""
+  out, filled = copy.deepcopy(config), []
+  for name, value in ADDED.items():
+    *groups, key = name.split(".")
+    node = out
+    for group in groups:  # A group missing too is created (analysis reads configs that hold a few fields).
+      node = node.setdefault(group, {}) if isinstance(node, dict) else None
+    if isinstance(node, dict) and key not in node:
+      node[key] = copy.deepcopy(value)
+      filled.append(f"{name}={value!r}")
+  if filled:
+    logging.info("%s predates fields of the recipe; filled with what its run did: %s.", source, ", ".join(filled))
+  return out
