@@ -31,10 +31,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   has in all; the rest of the recipe is unchanged.
   """
   arg = base.parse(arg)
-  if arg.debug:  # lr = 1e-3 at the debug base batch 32 (sqrt rule).
-    c = base.get_config(arg, batch=32, group_size=4, base_lr=2e-3, base_batch=BASE_BATCH)
-  else:
-    c = base.get_config(arg, batch=BASE_BATCH, group_size=GROUP_SIZE, base_lr=BASE_LR, base_batch=BASE_BATCH)
+  # debug: B = 32 rollouts of 4 samples per prompt by default, lr = 1e-3 there (2e-3 at B0, sqrt rule).
+  batch, group_size, base_lr = (32, 4, 2e-3) if arg.debug else (BASE_BATCH, GROUP_SIZE, BASE_LR)
+  c = base.get_config(arg, batch=batch, group_size=group_size, base_lr=base_lr, base_batch=BASE_BATCH)
   c.task.update(arithmetic.default_config())
   c.task.name = "arithmetic"  # Registered task name (jaxrl_batch.tasks.TASKS).
   c.task.max_digits = 2  # Operands 0..99: learnable by a 1M-parameter model in ~2 minutes of CPU SFT.
