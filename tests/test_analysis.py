@@ -309,6 +309,7 @@ def test_bad_study_dirs_are_clear_errors(tmp_path):
     analyze(str(tmp_path), target=0.6)
 
 
+@pytest.mark.slow
 def test_launcher_prints_table_and_paths(tmp_path):
   write_run(tmp_path, "sqrt", 64, reaching(384))
   proc = subprocess.run([sys.executable, "-m", "launch.analyze", f"--workdir={tmp_path}", "--target=0.6"],

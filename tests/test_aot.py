@@ -65,6 +65,7 @@ def test_a_plan_too_big_for_hbm_is_reported_not_raised():
   assert "does not fit" in report.table()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("libtpu")
 def test_cli_compiles_the_update_for_v5e_with_its_memory_and_costs(tmp_path):
   # tiny_random: 16 rollouts in micro-batches of 8 (2 per update) on a 4-chip data-parallel mesh.
@@ -248,6 +249,7 @@ def test_flash_gpu_compiled_for_h100s_needs_a_fraction_of_dense_temporaries():
   assert flash_temp <= dense_temp // 10, (flash_temp, dense_temp)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("cuda_plugin")
 def test_cli_compiles_for_gpu_nodes(tmp_path):
   base = [sys.executable, "-m", "launch.aot_check", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",

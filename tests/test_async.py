@@ -10,16 +10,16 @@ import pytest
 from jaxrl_batch.runtime import streams
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
-from tests.test_trainer import _straight_and_resumed, debug_config
+from tests.helpers import ONE_DEVICE, debug_config, straight_and_resumed
 
-ONE_DEVICE = jax.devices()[:1]
 K = 2
 STALE = {"rl.max_staleness": K, "rl.old_logp": "trainer", "rl.tis_cap": 2.0}  # the decoupled objective, truncated
 
 
+@pytest.mark.slow
 def test_rollouts_come_from_the_policy_k_steps_before_resume_in_flight_and_do_not_depend_on_placement(
     tmp_path, base_cache, monkeypatch):
-  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **STALE))
+  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **STALE))
   train = [r for r in a if "reward_mean" in r]
   lags = [min(s, K) for s in range(6)]  # the first K steps sample with the base policy
   assert [r["policy_lag_max"] for r in train] == lags

@@ -3,7 +3,11 @@ import json
 import logging
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow  # each test runs a notebook
 
 
 def run_notebook(name: str, demo_dir, base_cache, monkeypatch) -> dict:

@@ -146,6 +146,7 @@ def _write_run(root, batch, evals):
   (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+@pytest.mark.slow
 def test_analysis_of_a_sampled_metric(tmp_path):
   # pass@k crosses 0.6 at 128 samples, greedy accuracy at 384.
   evals = [(s, dict(eval_accuracy=0.2 + 0.4 * s / 384, eval_pass_at_k=0.4 + 0.2 * s / 128)) for s in (0, 256, 512)]

@@ -10,14 +10,15 @@ from flax import nnx
 
 from configs.base import algo_config
 from jaxrl_batch.kernels.decode_attention import backend_for
-from jaxrl_batch.model import DecodeSpan, KVCache, ModelConfig, Transformer
+from jaxrl_batch.model import DecodeSpan, KVCache, Transformer
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.update import Models, update
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import SamplingParams, continuous, generate
+from tests.helpers import tiny_config
 
 # H = 16: Triton's dot wants dimensions >= 16.
-CFG = ModelConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=64)
+CFG = tiny_config(num_layers=1, head_dim=16)
 B, P, N = 2, 8, 9  # the pallas engine decodes over one cache of P + N - 1 = 16 slots
 PLATFORMS = ("tpu", "cuda")
 TRITON = "__gpu$xla.gpu.triton"

@@ -24,6 +24,7 @@ from jaxrl_batch.model import ModelConfig, RopeScaling, Transformer, sequence_lo
 from jaxrl_batch.model.rope import inverse_frequencies  # noqa: E402
 from jaxrl_batch.runtime import sharding  # noqa: E402
 from jaxrl_batch.runtime.checkpointing import Checkpointer  # noqa: E402
+from tests.helpers import assert_trees_equal  # noqa: E402
 
 _BASE = dict(vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=96,
              norm_eps=1e-5)
@@ -44,10 +45,6 @@ def _random_params(cfg: ModelConfig, seed: int):
   return jax.tree.map(lambda a: jax.device_put(rng.normal(0, 0.3, a.shape).astype(a.dtype), a.sharding), abstract)
 
 
-def _assert_same(a, b):
-  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
   """name -> (cfg, params, HF dir written by save_pretrained, split into several files)."""
@@ -66,7 +63,7 @@ def test_save_then_load_is_exact(exported, name):
   assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
   loaded_cfg, _, loaded = from_pretrained(path)
   assert loaded_cfg == cfg
-  _assert_same(params, loaded)
+  assert_trees_equal(params, loaded)
   assert sum(x.size for x in jax.tree.leaves(loaded)) == cfg.num_params()
 
 
@@ -79,7 +76,7 @@ def test_sharded_load_gives_same_params_and_logits(exported):
   wq = params8["blocks"][0]["attn"]["wq"]
   assert wq.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
   assert wq.addressable_shards[0].data.shape == (32, 2, 32)  # (D/fsdp, N/tensor, H): each device read its block
-  _assert_same(params, params8)
+  assert_trees_equal(params, params8)
   tokens = jax.random.randint(jax.random.key(0), (8, 12), 0, cfg.vocab_size)
   valid = jnp.arange(12)[None] >= jnp.array([0, 4] * 4)[:, None]
   logits = jax.jit(sequence_logits, static_argnums=0)
@@ -97,7 +94,7 @@ def test_moe_load_sharded_over_experts_gives_same_params_and_logits(exported):
   w_gate = params8["blocks"][0]["mlp"]["w_gate"]
   assert w_gate.sharding.spec == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
   assert w_gate.addressable_shards[0].data.shape == (2, 64, 16)  # (E/expert, D, F/tensor): two experts' blocks
-  _assert_same(params, params8)
+  assert_trees_equal(params, params8)
   tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, cfg.vocab_size)
   valid = jnp.arange(12)[None] >= jnp.array([0, 4] * 4)[:, None]
   logits = jax.jit(sequence_logits, static_argnums=0)
@@ -112,8 +109,8 @@ def test_bfloat16_checkpoint(exported, tmp_path):
   with open(tmp_path / "config.json") as f:
     assert json.load(f)["torch_dtype"] == "bfloat16"
   as_bf16 = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), params)
-  _assert_same(as_bf16, from_pretrained(str(tmp_path), param_dtype="bfloat16")[2])
-  _assert_same(jax.tree.map(lambda x: x.astype(np.float32), as_bf16), from_pretrained(str(tmp_path))[2])
+  assert_trees_equal(as_bf16, from_pretrained(str(tmp_path), param_dtype="bfloat16")[2])
+  assert_trees_equal(jax.tree.map(lambda x: x.astype(np.float32), as_bf16), from_pretrained(str(tmp_path))[2])
 
 
 def test_llama3_rope_keeps_short_wavelengths_scales_long_ones_and_blends_between():
@@ -187,6 +184,7 @@ def test_exported_files_are_readable_by_all(exported):
     assert os.stat(os.path.join(exported["qwen2"][2], name)).st_mode & 0o777 == 0o666 & ~umask, name
 
 
+@pytest.mark.slow
 def test_convert_cli_then_export_of_a_training_run(exported, tmp_path):
   cfg, params, path = exported["qwen2"]
   source = str(tmp_path / "source")
@@ -199,10 +197,10 @@ def test_convert_cli_then_export_of_a_training_run(exported, tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   # The converted directory restores like a cached base policy (here sharded fsdp=8 by the CLI's default mesh).
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-  _assert_same(params, Checkpointer(ours).restore(abstract)[0])
+  assert_trees_equal(params, Checkpointer(ours).restore(abstract)[0])
   export_hf(ours, str(tmp_path / "back"))
   assert (tmp_path / "back" / "tokenizer.json").read_text() == "{}"
-  _assert_same(params, from_pretrained(str(tmp_path / "back"))[2])
+  assert_trees_equal(params, from_pretrained(str(tmp_path / "back"))[2])
   # A training run's state holds an optimizer state next to the params: only the params are read.
   run = tmp_path / "run"
   ckpt = Checkpointer(str(run / "checkpoints"))
@@ -211,4 +209,4 @@ def test_convert_cli_then_export_of_a_training_run(exported, tmp_path):
   (run / "config.json").write_text(json.dumps(dict(config=dict(model=dataclasses.asdict(cfg)))))
   export_hf(str(run / "checkpoints"), str(tmp_path / "run_hf"), model_config=str(run / "config.json"),
             params_key="params")
-  _assert_same(params, from_pretrained(str(tmp_path / "run_hf"))[2])
+  assert_trees_equal(params, from_pretrained(str(tmp_path / "run_hf"))[2])

@@ -10,19 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_batch.model import ModelConfig, Transformer, layout, sequence_logits, token_stats
-from jaxrl_batch.runtime import sharding
+from jaxrl_batch.model import layout, sequence_logits, token_stats
+from tests.helpers import one_device_model, tiny_config
 
-CFG = ModelConfig(vocab_size=37, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, d_ff=32)
+CFG = tiny_config(vocab_size=37, d_model=16, head_dim=4, d_ff=32)
 MOE = dataclasses.replace(CFG, num_experts=4, num_experts_per_tok=2, moe_d_ff=8)
 B, T, TEMPERATURE = 3, 23, 0.7
-ONE = jax.devices()[:1]
 
 
 def graphdef_and_params(cfg, **settings):
-  mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
-  make = lambda: Transformer(dataclasses.replace(cfg, **settings), nnx.Rngs(0))
-  return sharding.create_sharded(make, mesh, sharding.DEFAULT_RULES)
+  return one_device_model(dataclasses.replace(cfg, **settings))
 
 
 def inputs(packed: bool):

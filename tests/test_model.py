@@ -11,15 +11,14 @@ from jaxrl_batch.runtime import sharding
 from jaxrl_batch.model import (DecodeSpan, KVCache, ModelConfig, Transformer, cache_mask, positions_from_valid,
                                sequence_logits)
 from jaxrl_batch.model.layers import apply_rope, attend
+from tests.helpers import next_token_loss, one_device_model, tiny_config
 
-CFG = ModelConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
-                  tie_embeddings=False)
+CFG = tiny_config(vocab_size=40, tie_embeddings=False)
 
 
 @pytest.fixture(scope="module")
 def model():
-  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  return sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+  return one_device_model(CFG)
 
 
 def _tokens(b, t, seed=0):
@@ -180,13 +179,6 @@ def test_invalid_config_is_refused():
                                  d_ff=8, hidden=3))
 
 
-def _loss(graphdef, params, tokens, valid):
-  logits = sequence_logits(graphdef, params, tokens, valid)
-  logp = jax.nn.log_softmax(logits[:, :-1])
-  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-  return jnp.sum(nll * valid[:, 1:]) / jnp.sum(valid[:, 1:])
-
-
 def test_eight_device_mesh_gives_same_loss_and_grads():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")
@@ -197,7 +189,7 @@ def test_eight_device_mesh_gives_same_loss_and_grads():
     graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
     batch = jax.device_put((tokens, valid), sharding.batch_sharding(mesh))
     with jax.set_mesh(mesh):
-      loss, grads = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)(graphdef, params, *batch)
+      loss, grads = jax.jit(jax.value_and_grad(next_token_loss, argnums=1), static_argnums=0)(graphdef, params, *batch)
     results.append((loss, grads, params))
   (loss1, grads1, params1), (loss8, grads8, params8) = results
   assert len(params8["embedding"].sharding.device_set) == 8

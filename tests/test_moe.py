@@ -13,6 +13,7 @@ from jaxrl_batch.model import ModelConfig, Transformer, moe, sequence_logits
 from jaxrl_batch.model.layers import SwiGLU
 from jaxrl_batch.model.masks import causal_mask, positions_from_valid
 from jaxrl_batch.runtime import sharding
+from tests.helpers import next_token_loss, one_device_model
 
 CFG = ModelConfig(vocab_size=64, d_model=16, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,
                   qk_norm=True, tie_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_d_ff=8,
@@ -97,8 +98,7 @@ def test_route_takes_top_k_of_the_softmax(norm):
 
 
 def _model(cfg=CFG):
-  return nnx.merge(*sharding.create_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), sharding.make_mesh(
-      1, 1, 1, devices=ONE), sharding.DEFAULT_RULES))
+  return nnx.merge(*one_device_model(cfg))
 
 
 def test_replaying_own_routing_is_exact_and_other_routing_changes_output_but_trains_the_router():
@@ -147,13 +147,6 @@ def test_bad_moe_configs_are_refused_by_name():
   assert ModelConfig.from_config({**base, "mlp_only_layers": [1]}) == CFG  # a JSON list reads back as the tuple
 
 
-def _loss(graphdef, params, tokens, valid):
-  logits = sequence_logits(graphdef, params, tokens, valid)
-  logp = jax.nn.log_softmax(logits[:, :-1])
-  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-  return jnp.sum(nll * valid[:, 1:]) / jnp.sum(valid[:, 1:])
-
-
 @functools.cache
 def _loss_and_grads(mesh, rows: int, moe_chunk: int = CFG.moe_chunk):
   """(loss, grads, params) of `rows` fixed random rows on `mesh` (cached: the 1-device reference serves every case)."""
@@ -165,7 +158,7 @@ def _loss_and_grads(mesh, rows: int, moe_chunk: int = CFG.moe_chunk):
       sharding.replicated(mesh)
   batch = jax.device_put((tokens, valid), rows_sharding)
   with jax.set_mesh(mesh):
-    loss, grads = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)(graphdef, params, *batch)
+    loss, grads = jax.jit(jax.value_and_grad(next_token_loss, argnums=1), static_argnums=0)(graphdef, params, *batch)
   return loss, grads, params
 
 
@@ -203,8 +196,7 @@ def test_engines_record_the_routing_the_trainer_recomputes(engine, page_size):
   """The sampler's experts per fed token (prefill and decode steps) are the full-sequence forward's, in float32;
   -1 at padding and at each response's last token, which is never fed."""
   from jaxrl_batch.sampling import SamplingParams, rollout
-  graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), sharding.make_mesh(
-      1, 1, 1, devices=ONE), sharding.DEFAULT_RULES)
+  graphdef, params = one_device_model(CFG)
   rng = np.random.default_rng(0)
   lengths = np.array([1, 4, 6])
   valid = np.arange(6)[None, :] >= 6 - lengths[:, None]

@@ -1,7 +1,6 @@
 """Two processes on localhost form one 4-device mesh (2 CPU devices each, gloo collectives) and train like one process
 over 4 devices: the same base policy, metrics and train state after a training step, to float32 rounding."""
 import contextlib
-import json
 import os
 import socket
 import subprocess
@@ -11,11 +10,14 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
+from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
-from tests.test_trainer import debug_config
+from tests.helpers import ROOT, debug_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # it starts the processes of a multi-host run
+
 # One step of 32 rollouts in 2 shuffled mini-batches (so the batch is gathered and re-sharded), without warmup. The
 # base policy has 4 SFT steps and earns no task reward: the overlong penalty gives groups of mixed lengths an
 # advantage, so the step has a policy gradient.
@@ -77,11 +79,6 @@ def _arrays(directory):
   return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _rows(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
 def test_two_processes_train_like_one(tmp_path):
   multi, single = tmp_path / "multi", tmp_path / "single"
   multi.mkdir()
@@ -93,7 +90,7 @@ def test_two_processes_train_like_one(tmp_path):
   assert "step 1 |" in out0 and "step 1 |" not in out1  # Progress lines from process 0 only.
 
   # Every row once (process 1 writes nothing), with the single run's values.
-  a, b = _rows(single / "run"), _rows(multi / "run")
+  a, b = rundir.read_metrics(str(single / "run")), rundir.read_metrics(str(multi / "run"))
   assert [sorted(r) for r in a] == [sorted(r) for r in b]
   for key in COMPARED:
     # Sums that can cancel to near 0 (the losses, of advantages of mean 0; the mean return, of rewards of either

@@ -127,7 +127,7 @@ def test_packed_warm_start_step_equals_the_padded_one():
 def test_a_run_with_packed_micro_batches_gives_the_padded_run_rows(tmp_path, base_cache):
   from jaxrl_batch.train import rundir
   from jaxrl_batch.train.trainer import Trainer
-  from tests.test_trainer import debug_config
+  from tests.helpers import debug_config
   runs = []
   for name, overrides in (("padded", {}), ("packed", {"micro_batch_tokens": 96})):
     trainer = Trainer(debug_config(base_cache, sample_budget=64, **overrides), str(tmp_path / name), devices=ONE)

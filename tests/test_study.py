@@ -172,6 +172,7 @@ def test_throughput_sweep_measures_each_batch(swept):
     study.throughput_sweep(GSM8K, str(plan_dir / "other"), [16], "sqrt", 1)
 
 
+@pytest.mark.slow
 def test_plan_batch_cli_writes_the_plan_and_reuses_finished_sweep_runs(swept, cache):
   plan_dir, _ = swept
   analysis = dict(target=0.9, members=[

@@ -15,10 +15,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_batch.kernels import train_attention
-from jaxrl_batch.model import KVCache, ModelConfig, layout
+from jaxrl_batch.model import KVCache, layout
 from jaxrl_batch.model.layers import Attention
 from jaxrl_batch.model.masks import Segments, segments, training_layout
 from jaxrl_batch.runtime import sharding
+from tests.helpers import tiny_config
 
 INTERPRET = os.environ.get("JAXRL_PALLAS_INTERPRET", "1") != "0"
 ATOL = 1e-5 if INTERPRET else 2e-2  # compiled kernels' f32 dots may run in TF32 / bf16 passes
@@ -86,8 +87,7 @@ def test_backend_under_mesh_with_fewer_kv_heads_than_tensor(backend):
 
 
 def _cfg(attention):
-  return ModelConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=64,
-                     attention=attention)
+  return tiny_config(num_layers=1, head_dim=16, attention=attention)
 
 
 def test_attention_layer_segments_match_dense_mask():

@@ -2,8 +2,6 @@
 import contextlib
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -15,33 +13,13 @@ from jaxrl_batch.runtime import transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
+from tests.helpers import ONE_DEVICE, debug_config, launch_train, straight_and_resumed
 
-ONE_DEVICE = jax.devices()[:1]
 TRAIN_FIELDS = {"step", "samples", "samples_generated", "wall_s", "rollout_s", "update_s", "lr", "reward_mean",
                 "response_len_mean", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm",
                 "noise_scale", "zero_std_group_frac", "logp_gap_mean", "returns_mean", "kl_coef"}
 PPO_FIELDS = TRAIN_FIELDS | {"value_loss", "vf_explained_var", "critic_grad_norm"}
 EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy", "eval_reward_errors"}
-
-
-def debug_config(base_cache, module=grpo_arith, **overrides):
-  """The debug member (6 steps, learning from the first), with dotted-key `overrides`."""
-  c = module.get_config("debug")
-  c.sft.cache_dir = base_cache
-  c.sample_budget = 192  # 6 steps of 32 rollouts
-  c.mesh.data = 1
-  for key, value in overrides.items():
-    node = c
-    *path, leaf = key.split(".")
-    for name in path:
-      node = node[name]
-    node[leaf] = value
-  return c
-
-
-def read_rows(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +32,7 @@ def debug_run(tmp_path_factory, base_cache):
 
 def test_run_writes_the_metrics_contract(debug_run):
   workdir = debug_run
-  rows = read_rows(workdir)
+  rows = rundir.read_metrics(workdir)
   train = [r for r in rows if "reward_mean" in r]
   evals = [r for r in rows if "eval_accuracy" in r]
   assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
@@ -78,43 +56,22 @@ def test_a_run_stops_at_the_accuracy_it_reaches_and_stays_finished(tmp_path, bas
   checkpoint and the rows of the full run so far; a rerun trains nothing; the study and the analysis count it
   finished; a bar lifted to 0 resumes it to the budget."""
   full = debug_run
-  accuracies = [r["eval_accuracy"] for r in read_rows(full) if "eval_accuracy" in r]
+  accuracies = [r["eval_accuracy"] for r in rundir.read_metrics(full) if "eval_accuracy" in r]
   assert accuracies[2] > max(accuracies[:2]), accuracies  # The member learns by 128 samples (its 4th step).
   stopped = str(tmp_path / "stopped")
   config = debug_config(base_cache, stop_at_accuracy=accuracies[2], checkpoint_every_samples=96)
   Trainer(config, stopped, devices=ONE_DEVICE).run()
-  rows = read_rows(stopped)
+  rows = rundir.read_metrics(stopped)
   assert [r["samples"] for r in rows] == [0, 32, 64, 64, 96, 128, 128] and rows[-1]["eval_accuracy"] == accuracies[2]
-  assert rundir.rows_mismatch(rows, read_rows(full)[:len(rows)]) is None
+  assert rundir.rows_mismatch(rows, rundir.read_metrics(full)[:len(rows)]) is None
   assert Checkpointer(os.path.join(stopped, "checkpoints")).latest_step() == 4
   Trainer(config, stopped, devices=ONE_DEVICE).run()
-  assert len(read_rows(stopped)) == len(rows)
+  assert len(rundir.read_metrics(stopped)) == len(rows)
   assert rundir.is_finished(stopped, config) and not rundir.is_finished(stopped, debug_config(base_cache))
   run = runs.read_run(stopped, "stopped")
   assert run.finished and run.stopped_early and not runs.read_run(full, "full").stopped_early
   Trainer(debug_config(base_cache, stop_at_accuracy=0.0), stopped, devices=ONE_DEVICE).run()
-  assert [r["samples"] for r in read_rows(stopped) if "eval_accuracy" in r] == [0, 64, 128, 192]
-
-
-def _straight_and_resumed(tmp_path, monkeypatch, config, straight=None):
-  """Rows of an uninterrupted run of `config()` (or of the run in `straight`) and of one killed at step 3, then rerun
-  to the end."""
-  resumed = str(tmp_path / "resumed")
-  if straight is None:
-    straight = str(tmp_path / "straight")
-    Trainer(config(), straight, devices=ONE_DEVICE).run()
-  original = Trainer._train_step
-  def crash_at_step_3(self, state, step):
-    if step == 3:
-      raise KeyboardInterrupt("simulated kill")
-    return original(self, state, step)
-  monkeypatch.setattr(Trainer, "_train_step", crash_at_step_3)
-  with pytest.raises(KeyboardInterrupt):
-    Trainer(config(), resumed, devices=ONE_DEVICE).run()
-  monkeypatch.setattr(Trainer, "_train_step", original)
-  # Step 3 was logged after the checkpoint at step 2, then the run died: the rerun drops it and redoes it.
-  Trainer(config(), resumed, devices=ONE_DEVICE).run()
-  return read_rows(straight), read_rows(resumed)
+  assert [r["samples"] for r in rundir.read_metrics(stopped) if "eval_accuracy" in r] == [0, 64, 128, 192]
 
 
 @pytest.mark.parametrize("module, overrides", [
@@ -123,7 +80,7 @@ def _straight_and_resumed(tmp_path, monkeypatch, config, straight=None):
 ], ids=["grpo", "ppo_adaptive_kl_dynamic_sampling"])
 def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, module, overrides, debug_run):
   shared = debug_run if module is grpo_arith and not overrides else None  # the uninterrupted debug member
-  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, **overrides), shared)
+  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, **overrides), shared)
   train = [r for r in a if "reward_mean" in r]
   assert all(r["reward_mean"] > 0 for r in train)  # it learns: a resume that lost run state would change the rows
   # The first training row of each session includes compilation; the analysis leaves its seconds out.
@@ -143,7 +100,7 @@ def test_partial_rollouts_carried_across_a_kill_resume_to_the_same_result(tmp_pa
   # and the carried sequences continue under new weights.
   from jaxrl_batch.tasks.arithmetic import ArithmeticTask
   monkeypatch.setattr(ArithmeticTask, "reward", lambda self, completion, problem: len(completion) % 3 / 2)
-  a, b = _straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **PARTIAL))
+  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **PARTIAL))
   train = [r for r in a if "reward_mean" in r]
   assert [r["samples"] for r in train] == [32 * s for s in range(1, 7)]  # B rollouts trained per step
   assert train[1]["carried_over"] > 0  # the checkpoint at step 2 holds sequences in flight
@@ -167,7 +124,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, ba
   workdir = str(tmp_path / "run")
   with pytest.raises(FloatingPointError, match=r"at step 4\. Stopped before saving: .*\(step 2\) holds finite state"):
     Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
-  assert max(r["step"] for r in read_rows(workdir)) == 3  # The poisoned update 4 is never logged.
+  assert max(r["step"] for r in rundir.read_metrics(workdir)) == 3  # The poisoned update 4 is never logged.
   assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 2
 
 
@@ -234,17 +191,11 @@ def test_batch_must_split_over_data_parallel_devices(tmp_path, base_cache):
     Trainer(config, str(tmp_path / "run"))
 
 
-def _launch(workdir, base_cache, *extra):
-  cmd = [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:debug", f"--workdir={workdir}",
-         f"--config.sft.cache_dir={base_cache}", *extra]
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
+@pytest.mark.slow
 def test_cli_rejects_unknown_keys_and_wrong_types(tmp_path, base_cache):
   for flag, message in (("--config.optim.lrr=1", "optim has no field 'lrr'; did you mean lr, lr_rule?"),
                         ("--config.batch_size=abc", "--config.batch_size=abc: invalid literal for int()")):
-    proc = _launch(tmp_path / "run", base_cache, flag)
+    proc = launch_train(tmp_path / "run", base_cache, flag)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1 and message in out and "Traceback" not in out, out[-2000:]
   assert not (tmp_path / "run").exists()
@@ -253,7 +204,7 @@ def test_cli_rejects_unknown_keys_and_wrong_types(tmp_path, base_cache):
 def test_ppo_trains_actor_and_critic(tmp_path, base_cache):
   workdir = str(tmp_path / "ppo")
   Trainer(debug_config(base_cache, ppo_arith), workdir, devices=ONE_DEVICE).run()
-  train = [r for r in read_rows(workdir) if "reward_mean" in r]
+  train = [r for r in rundir.read_metrics(workdir) if "reward_mean" in r]
   assert "grad_norm" not in train[0] and train[0]["value_loss"] >= 0  # Critic warm-up: the actor is frozen.
   assert all(PPO_FIELDS <= set(r) for r in train[1:])
   assert all(r["updates"] == 4 for r in train)  # 2 epochs x 2 mini-batches.
@@ -267,7 +218,7 @@ def test_dynamic_sampling_overlong_and_adaptive_kl_in_the_reward(tmp_path, base_
                "rl.kl_coef": 0.05, "rl.kl_in": "reward", "rl.kl_estimator": "k1", "rl.kl_target": 0.01,
                "rl.old_logp": "trainer", "rl.tis_cap": 2.0, "rl.estimator": "rloo", "rl.loss_agg": "constant"}
   Trainer(debug_config(base_cache, **overrides), workdir, devices=ONE_DEVICE).run()
-  train = [r for r in read_rows(workdir) if "reward_mean" in r]
+  train = [r for r in rundir.read_metrics(workdir) if "reward_mean" in r]
   for r in train:
     assert r["samples_generated"] >= r["samples"]
     assert r["sampling_rounds"] in (1, 2)
@@ -318,7 +269,7 @@ def test_steps_cross_only_the_named_transfers(tmp_path, base_cache, module, over
   finally:
     trainer.checkpointer.close()
   counts = transfer.counts()
-  rows = [r for r in read_rows(str(tmp_path / "run")) if "reward_mean" in r]
+  rows = [r for r in rundir.read_metrics(str(tmp_path / "run")) if "reward_mean" in r]
   steps, rounds = len(rows), sum(r["sampling_rounds"] for r in rows)
   assert steps == 4 and all(r["reward_std"] > 0 for r in rows)
   # Per sampling round: prompts up, tokens down; per step: rewards up, the KL coefficient and mini-batch orders up,
