@@ -26,7 +26,8 @@ from configs.base import algo_config
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.packing import Packing
-from jaxrl_batch.rl.update import Models, update
+from jaxrl_batch.rl.forward import ModelDefs
+from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling.benchmark import draw_lengths
 from jaxrl_batch.sampling.roofline import best_seconds, measure_machine
@@ -98,7 +99,7 @@ def measure(model: str, lengths: str, machine: dict) -> dict:
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   graphdef, params = sharding.create_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
   tx = optax.adam(1e-4)
-  models, algo = Models(graphdef, tx), algo_config()
+  models, algo = ModelDefs(graphdef, tx), algo_config()
   lengths_B = draw_lengths(lengths, FLAGS.rollouts, seed=0)
   batch = random_batch(lengths_B, FLAGS.prompt_len, cfg.vocab_size, seed=1)
   t = batch.tokens_BxT.shape[1]

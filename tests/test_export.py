@@ -12,7 +12,8 @@ from configs.base import algo_config
 from jaxrl_batch.kernels.decode_attention import backend_for
 from jaxrl_batch.model import DecodeSpan, KVCache, Transformer
 from jaxrl_batch.rl.batch import TrainBatch
-from jaxrl_batch.rl.update import Models, update
+from jaxrl_batch.rl.forward import ModelDefs
+from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import SamplingParams, continuous, generate
 from tests.helpers import tiny_config
@@ -130,7 +131,7 @@ def test_the_continuous_engine_lowers(model, platform, backend):
 def test_an_rl_update_lowers(model, platform):
   graphdef, params = model
   tx = optax.adamw(1e-3)
-  models, cfg = Models(graphdef, tx), algo_config()
+  models, cfg = ModelDefs(graphdef, tx), algo_config()
   state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
   t = P + N
   batch = TrainBatch(_sds((B, t), jnp.int32), _sds((B, t), jnp.bool_), _sds((B, t), jnp.bool_),

@@ -150,18 +150,18 @@ def test_settings_are_checked():
 
 
 def test_scoring_in_micro_batches_equals_one_forward():
-  """`score` and `reference_logprobs` with score_num_micro = 3 (forwards of one row) give the one-forward values."""
+  """`logprobs_and_values` of the policy and of a reference policy (`reference_cfg`) with score_num_micro = 3
+  (forwards of one row) give the one-forward values."""
   from configs.base import algo_config
-  from jaxrl_batch.rl.learner import reference_logprobs
-  from jaxrl_batch.rl.update import Models, score
+  from jaxrl_batch.rl.forward import ModelDefs, logprobs_and_values, reference_cfg
 
   graphdef, params = graphdef_and_params(CFG)
   tokens, valid, _, _ = inputs(False)
   mask = valid.at[:, :T // 2].set(False)
-  models, cfg = Models(graphdef, None), algo_config(old_logp="trainer", temperature=TEMPERATURE)
-  ref = lambda n: reference_logprobs(params, tokens, valid, mask, graphdef=graphdef, temperature=TEMPERATURE,
-                                     num_micro=n)
-  old = lambda n: score(params, None, tokens, valid, mask, models=models, cfg=cfg, num_micro=n)[0]
+  models, cfg = ModelDefs(graphdef), algo_config(old_logp="trainer", temperature=TEMPERATURE)
+  ref = lambda n: logprobs_and_values(params, None, tokens, valid, mask, models=models, cfg=reference_cfg(cfg),
+                                      num_micro=n)[0]
+  old = lambda n: logprobs_and_values(params, None, tokens, valid, mask, models=models, cfg=cfg, num_micro=n)[0]
   np.testing.assert_allclose(ref(3), ref(1), rtol=0, atol=1e-6)
   np.testing.assert_allclose(old(3), old(1), rtol=0, atol=1e-6)
   np.testing.assert_allclose(old(1), ref(1), rtol=0, atol=1e-6)
@@ -176,7 +176,8 @@ def test_update_under_memory_settings_equals_the_dense_update(settings):
   import optax
   from configs.base import algo_config
   from jaxrl_batch.rl.batch import TrainBatch
-  from jaxrl_batch.rl.update import Models, update
+  from jaxrl_batch.rl.forward import ModelDefs
+  from jaxrl_batch.rl.update import update
 
   tokens, valid, _, _ = inputs(False)
   rng = np.random.default_rng(4)
@@ -191,7 +192,7 @@ def test_update_under_memory_settings_equals_the_dense_update(settings):
   def step(**model_settings):
     graphdef, params = graphdef_and_params(CFG, **model_settings)
     state, metrics = update(dict(params=params, opt_state=tx.init(params)), batch, jnp.float32(0.0),
-                            models=Models(graphdef, tx), cfg=cfg, num_micro=3)
+                            models=ModelDefs(graphdef, tx), cfg=cfg, num_micro=3)
     return jax.tree.map(np.asarray, state["params"]), jax.tree.map(np.asarray, metrics)
 
   want_params, want = step(logits_chunk=0)

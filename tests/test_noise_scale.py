@@ -1,5 +1,10 @@
-"""Gradient noise scale: the estimators against hand-computed values and against simulated gradients with a known
-inter- and intra-prompt noise, the EMA ratios, and the update's signed gradients against their definition."""
+"""Gradient noise scale: both estimators against a reference written apart from the module (plain numpy: the
+expected squared norms of the documented model, E|sum_{b in i} s_b u_b x_b|^2 = |G|^2 (sum s u)^2 +
+A sum_p (sum_{b in p, i} s u)^2 + C sum u^2), fed exact expectations (known answers) and Monte Carlo gradients
+x_b = G + a_p + e_b, over the configurations a user reaches (whole groups, shuffled mini-batches that split groups,
+micro-batches not a multiple of the group size, packed micro-batches, unequal weights); the EMA ratios; and the
+update's norms and estimates against their definition."""
+import dataclasses
 import math
 
 import jax
@@ -11,18 +16,138 @@ from configs.base import algo_config
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.noise_scale import NoiseScale, from_micro_batches, from_signed_gradients, signs
+from jaxrl_batch.rl.objective import LossWeights
 from jaxrl_batch.rl.packing import Packing
-from jaxrl_batch.rl.update import Weights, _micro_loss
+from jaxrl_batch.rl.update import micro_loss
 from jaxrl_batch.runtime import sharding
 from tests.test_update import ONE, assert_close_to_sum, make_batch, one_step, setup
 
 
-def test_micro_batch_estimates_invert_the_expected_norms():
-  # |G|^2 = 4, tr = 64, 32 rollouts of weight 1/32 in 4 micro-batches: E|g|^2 = 4 + 64/32 = 6 and
-  # E sum_i |g_i|^2 = 4 * 4 / 16 + 64 / 32 = 3.
-  out = from_micro_batches(6.0, 3.0, 4 / 16, 1.0, 32 / 32**2)
-  assert float(out["noise_signal_sq"]) == pytest.approx(4.0) and float(out["noise_trace"]) == pytest.approx(64.0)
-  assert math.isnan(float(from_micro_batches(6.0, 6.0, 1.0, 1.0, 1 / 32)["noise_signal_sq"]))  # one micro-batch
+def coefficients(u_B, prompt_B, rows):
+  """(|G|^2, A, C) coefficients of E|sum_{b in rows} u_b x_b|^2, by a loop over the prompts."""
+  u_B, prompt_B = np.asarray(u_B, np.float64)[rows], np.asarray(prompt_B)[rows]
+  per_prompt = [u_B[prompt_B == p].sum() for p in np.unique(prompt_B)]
+  return np.array([u_B.sum()**2, sum(x**2 for x in per_prompt), (u_B**2).sum()])
+
+
+def expected_norms(theta, u_B, prompt_B, micro_B, num_micro):
+  """(E|g|^2, E|g_i|^2 per micro-batch, U_i per micro-batch, the mini-batch's per-rollout trace A S / W + C)."""
+  u_B, micro_B = np.asarray(u_B, np.float64), np.asarray(micro_B)
+  full = coefficients(u_B, prompt_B, np.arange(len(u_B)))
+  micro = [coefficients(u_B, prompt_B, micro_B == i) for i in range(num_micro)]
+  trace = theta[1] * full[1] / full[2] + theta[2]
+  return full @ theta, np.array([c @ theta for c in micro]), np.array([u_B[micro_B == i].sum() for i in
+                                                                        range(num_micro)]), trace
+
+
+def reference_signal(grad_sq, micro_sq, u_B, prompt_B, micro_B):
+  """|G|^2 by least squares (float64) over the equations of |g|^2 - sum_i |g_i|^2 and of each |g_i|^2."""
+  num_micro = len(micro_sq)
+  full = coefficients(u_B, prompt_B, np.arange(len(u_B)))
+  micro = np.stack([coefficients(u_B, prompt_B, np.asarray(micro_B) == i) for i in range(num_micro)])
+  coef = np.concatenate([[full - micro.sum(0)], micro])
+  coef[0, 2] = 0.0
+  return np.linalg.lstsq(coef, np.concatenate([[grad_sq - np.sum(micro_sq)], micro_sq]), rcond=None)[0][0]
+
+
+def estimate(grad_sq, micro_sq, micro_u, u_B, prompt_B=None, micro_B=None):
+  f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+  i32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+  out = from_micro_batches(f32(grad_sq), f32(micro_sq), f32(micro_u), f32(u_B), i32(prompt_B), i32(micro_B))
+  return float(out["noise_signal_sq"]), float(out["noise_trace"])
+
+
+def layout(case, rng):
+  """(u_B, prompt_B, micro_B, num_micro) of a mini-batch in configuration `case`."""
+  if case == "whole_groups":  # 32 rows in group order, groups of 4, 4 micro-batches of 8
+    rows, group, num_micro = np.arange(32), 4, 4
+  elif case == "mini_batches_shuffled":  # the issue's: 64 of 128 rows (G = 8), in shuffled order, 2 micro-batches
+    rows, group, num_micro = rng.permutation(128)[:64], 8, 2
+  elif case == "mini_batches_sorted":  # the learner's order (each mini-batch's rows sorted), 4 micro-batches
+    rows, group, num_micro = np.sort(rng.permutation(128)[:64]), 8, 4
+  elif case == "mini_batches_over_group_size":  # 8 mini-batches of a batch of 64 (groups of 4): prompt ids >= rows
+    rows, group, num_micro = np.sort(rng.permutation(64)[:8]), 4, 2
+  elif case == "micro_not_multiple_of_group":  # 48 rows in group order, groups of 6, 3 micro-batches of 16
+    rows, group, num_micro = np.arange(48), 6, 3
+  else:  # packed: rows placed by length into micro-batches of unequal sizes
+    rows, group, num_micro = np.arange(40), 5, 4
+  u_B = rng.uniform(0.2, 2.0, len(rows)) if case in ("packed", "mini_batches_sorted") else np.ones(len(rows))
+  micro_B = np.arange(len(rows)) // (len(rows) // num_micro)
+  if case == "packed":
+    micro_B = np.minimum(np.argsort(np.argsort(-u_B, kind="stable")) // 7, num_micro - 1)
+  return u_B / u_B.sum(), rows // group, micro_B, num_micro
+
+
+CASES = ["whole_groups", "mini_batches_shuffled", "mini_batches_sorted", "mini_batches_over_group_size",
+         "micro_not_multiple_of_group", "packed"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_micro_batch_estimate_is_exact_on_expected_norms(case):
+  """Known answers: the expected norms of (|G|^2, A, C) = (1, 16, 500) give back |G|^2 and the per-rollout trace
+  A * sum_p U_p^2 / sum_b u_b^2 + C of the mini-batch's own (partial) groups. The issue's case (64 shuffled rows
+  of 128, G = 8, 2 micro-batches) came back from the whole-groups formula as |G|^2 ~ 1.9."""
+  theta = np.array([1.0, 16.0, 500.0])
+  u_B, prompt_B, micro_B, num_micro = layout(case, np.random.default_rng(3))
+  grad_sq, micro_sq, micro_u, trace = expected_norms(theta, u_B, prompt_B, micro_B, num_micro)
+  signal_sq, got_trace = estimate(grad_sq, micro_sq, micro_u, u_B, prompt_B, micro_B)
+  assert signal_sq == pytest.approx(1.0, rel=2e-3) and got_trace == pytest.approx(trace, rel=1e-4)
+  if case == "whole_groups":  # Without prompt ids every row is its own prompt: the whole-groups formula.
+    assert estimate(grad_sq, micro_sq, micro_u, u_B) == (signal_sq, got_trace)
+  if case == "mini_batches_shuffled":
+    assert estimate(grad_sq, micro_sq, micro_u, u_B)[0] > 1.5  # what ignoring the split groups gives
+
+
+def test_micro_batch_estimate_is_nan_where_not_identifiable():
+  u_B, prompt_B = np.full(16, 1 / 16), np.arange(16) // 4
+  one = estimate(2.0, [2.0], [1.0], u_B, prompt_B, np.zeros(16))
+  assert all(math.isnan(v) for v in one)
+  # Two micro-batches, each holding half of every group with equal weights: the A and |G|^2 coefficients of all
+  # three equations are proportional, so |G|^2 cannot be told from A.
+  halves = estimate(2.0, [0.6, 0.6], [0.5, 0.5], u_B, prompt_B, np.arange(16) % 2)
+  assert math.isnan(halves[0])
+
+
+def simulate_gradients(rng, draws, u_B, prompt_B, dim, theta):
+  """(draws, B, dim) per-rollout gradients x_b = G + a_p + e_b: |G|^2, tr Cov a_p = A, tr Cov e_b = C."""
+  prompts = np.unique(prompt_B, return_inverse=True)[1]
+  signal = np.full(dim, math.sqrt(theta[0] / dim))
+  shared = rng.normal(0, math.sqrt(theta[1] / dim), (draws, prompts.max() + 1, dim))[:, prompts]
+  return signal + shared + rng.normal(0, math.sqrt(theta[2] / dim), (draws, len(u_B), dim))
+
+
+@pytest.mark.parametrize("case", ["mini_batches_sorted", "micro_not_multiple_of_group", "packed"])
+def test_micro_batch_estimate_is_unbiased_on_simulated_gradients(case):
+  """Monte Carlo: 2,000 draws of gradients with known (|G|^2, A, C); the micro-batch gradients g_i and g summed as
+  the update sums them; the mean estimates within 4 standard errors of |G|^2 and the mini-batch's trace."""
+  rng, theta = np.random.default_rng(4), np.array([1.0, 16.0, 500.0])
+  u_B, prompt_B, micro_B, num_micro = layout(case, rng)
+  x = simulate_gradients(rng, 2000, u_B, prompt_B, 200, theta)
+  g_i = np.stack([np.einsum("b,nbd->nd", u_B * (micro_B == i), x) for i in range(num_micro)], axis=1)
+  micro_u = np.array([u_B[micro_B == i].sum() for i in range(num_micro)], np.float32)
+  grad_sq, micro_sq = np.sum(g_i.sum(1)**2, -1), np.sum(g_i**2, -1)
+  out = jax.vmap(lambda g, m: from_micro_batches(g, m, micro_u, jnp.asarray(u_B, jnp.float32), jnp.asarray(prompt_B),
+                                                  jnp.asarray(micro_B)))(jnp.asarray(grad_sq, jnp.float32),
+                                                                         jnp.asarray(micro_sq, jnp.float32))
+  trace = expected_norms(theta, u_B, prompt_B, micro_B, num_micro)[3]
+  for key, want in (("noise_signal_sq", 1.0), ("noise_trace", trace)):
+    draws = np.asarray(out[key], np.float64)
+    assert abs(draws.mean() - want) < 4 * draws.std() / math.sqrt(len(draws)), (key, draws.mean(), want)
+
+
+def test_signed_estimate_is_exact_for_prompt_ids_past_the_rows():
+  """The issue's case: rl.mini_batches > group_size gives a mini-batch prompt ids numbered over the whole batch,
+  which the per-prompt sums must keep: (|G|^2, A, C) = (1.3, 2.5, 9.0) came back as (1.3, 4.64, 9.11)."""
+  theta = np.array([1.3, 2.5, 9.0])
+  rows = np.array([132, 133, 135, 160, 161, 162, 208, 209, 210, 211, 244, 245, 247, 280, 281, 283])  # of 288 rows
+  prompt_B, sample_B = rows // 4, rows % 4
+  u_B = np.random.default_rng(6).uniform(0.5, 2.0, 16)
+  s_Bx3 = np.stack([np.ones(16), (-1.0)**sample_B, (-1.0)**prompt_B], axis=1)
+  sq_3 = np.array([coefficients(s_Bx3[:, k] * u_B, prompt_B, np.arange(16)) @ theta for k in range(3)])
+  out = from_signed_gradients(jnp.asarray(sq_3, jnp.float32), jnp.asarray(u_B, jnp.float32), jnp.asarray(prompt_B),
+                              jnp.asarray(sample_B))
+  got = [float(out[k]) for k in ("noise_signal_sq", "noise_inter_trace", "noise_intra_trace")]
+  np.testing.assert_allclose(got, theta, rtol=1e-3)
 
 
 def simulate(rng, draws, prompts, group, dim, signal, inter, intra, u_B):
@@ -72,7 +197,8 @@ def test_ema_ratio_converges_to_b_simple_on_noisy_micro_batch_gradients():
   g_true, dim, small, big, steps = np.full(50, 0.1), 50, 4, 16, 3000  # |G|^2 = 0.5, tr = 50: B_simple = 100
   samples = g_true + rng.normal(size=(steps, big, dim))
   parts = samples.reshape(steps, big // small, small, dim).sum(2) / big  # each micro-batch's share of the gradient
-  out = from_micro_batches(np.sum(parts.sum(1) ** 2, -1), np.sum(parts**2, (1, 2)), 4 * (1 / 4) ** 2, 1.0, 1 / big)
+  out = jax.vmap(lambda g, m: from_micro_batches(g, m, jnp.full(4, 0.25), jnp.full(big, 1 / big)))(
+      jnp.asarray(np.sum(parts.sum(1) ** 2, -1), jnp.float32), jnp.asarray(np.sum(parts**2, -1), jnp.float32))
   estimate = NoiseScale(decay=0.99)
   for signal_sq, trace in zip(*map(np.asarray, (out["noise_signal_sq"], out["noise_trace"]))):
     value = estimate.update(dict(noise_signal_sq=float(signal_sq), noise_trace=float(trace)), 1)["noise_scale"]
@@ -101,33 +227,66 @@ def long_batch(rows=32, prompt=16, response=142, seed=0) -> TrainBatch:
 def test_update_signed_gradients_match_their_definition(case):
   """The split's squared norms, through the update's backward passes over micro-batches (padded, packed, or one
   micro-batch of 32 long rows, where jit(vmap(vjp)) miscomputed them on XLA:CPU), equal those of jax.grad of the
-  loss with the signed weights on the whole batch; and the step itself is the one the update takes without it."""
+  loss with the signed weights on the whole batch, and its estimates the reference's solve of them, with prompt ids
+  numbered past the rows (a mini-batch of a larger batch); the step itself is the one the update takes without it."""
   cfg = algo_config(loss_agg="seq_mean_token_mean", entropy_coef=0.01)
   batch, num_micro, packing = make_batch(2), 2, None
   if case == "packed":
     packing = Packing(rows=2, length=18)
   elif case == "one_long_micro_batch":
     batch, num_micro = long_batch(), 1
-  rows = jnp.arange(batch.tokens_BxT.shape[0])
+  rows = np.arange(batch.tokens_BxT.shape[0])
   group, mesh = 4, sharding.make_mesh(1, 1, 1, devices=ONE)
-  ids = jnp.stack([rows // group, rows % group], axis=1)
+  prompt_B, sample_B = rows // group + 2 * len(rows), rows % group
   models, state = setup(mesh, cfg)
   w = losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg)
   tw = losses.token_weights(batch.loss_mask_BxT, "token_mean")
-  s_Bx3 = np.concatenate([np.ones((len(rows), 1)), np.asarray(signs(rows // group, rows % group))], axis=1)
-  grad = jax.jit(jax.grad(lambda p, s_B: _micro_loss((p, None), batch, Weights(w * s_B[:, None], tw), 0.0, models,
-                                                      cfg, True)[0]))
+  s_Bx3 = np.stack([np.ones(len(rows)), (-1.0)**sample_B, (-1.0)**prompt_B], axis=1)
+  grad = jax.jit(jax.grad(lambda p, s_B: micro_loss((p, None), batch, LossWeights(w * s_B[:, None], tw), 0.0, models,
+                                                     cfg, True)[0]))
   sq = [float(sum(jnp.sum(g**2) for g in jax.tree.leaves(grad(state["params"], jnp.asarray(s_Bx3[:, k])))))
         for k in range(3)]
-  estimate = lambda sq_3: from_signed_gradients(jnp.asarray(sq_3, jnp.float32), w.sum(1), rows // group, rows % group)
-  want = estimate(sq)
-  # The estimates are solve(coef, sq): differences of the squared norms, which can cancel to near 0 (|G|^2 here),
-  # so each is compared to its terms, sum_j |coef^-1_kj| sq_j (coef^-1's columns: the estimates of unit vectors).
-  inverse_3x3 = np.stack([[float(v) for v in estimate(e).values()] for e in np.eye(3)], axis=1)
+  u_B = np.asarray(w.sum(1), np.float64)
+  inverse_3x3 = np.linalg.inv(np.stack([coefficients(s_Bx3[:, k] * u_B, prompt_B, rows) for k in range(3)]))
+  want = dict(zip(("noise_signal_sq", "noise_inter_trace", "noise_intra_trace"), inverse_3x3 @ sq))
+  # The estimates are differences of the squared norms, which can cancel to near 0 (|G|^2 here), so each is
+  # compared to its terms, sum_j |coef^-1_kj| sq_j.
   terms = dict(zip(want, np.abs(inverse_3x3) @ np.abs(sq)))
   _, _, plain, _ = one_step(mesh, num_micro, batch, cfg, packing=packing)
-  _, _, split, metrics = one_step(mesh, num_micro, batch, cfg, packing=packing, noise_ids=ids)
+  ids = jnp.asarray(np.stack([prompt_B, sample_B], axis=1), jnp.int32)
+  _, _, split, metrics = one_step(mesh, num_micro, batch, dataclasses.replace(cfg, noise_split=True),
+                                  packing=packing, noise_ids=ids)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), plain, split)
   for key, value in want.items():
-    assert_close_to_sum(metrics[key], value, terms[key], err_msg=key)
-  assert np.isfinite(float(want["noise_intra_trace"])) and float(want["noise_intra_trace"]) != 0
+    assert_close_to_sum(metrics[key], value, terms[key], rel=2e-5, err_msg=key)
+  assert np.isfinite(want["noise_intra_trace"]) and want["noise_intra_trace"] != 0
+
+
+def test_update_micro_batch_estimate_matches_its_definition():
+  """End to end, micro-batches that split groups (groups of 3 in 2 micro-batches of 4 rows, prompt ids numbered
+  past the rows): the update's estimates equal the reference's least squares over the micro-batch gradients' norms
+  computed apart (jax.grad of each micro-batch's loss under the mini-batch's weights)."""
+  cfg = algo_config(loss_agg="seq_mean_token_mean")
+  batch, mesh, rows = make_batch(2), sharding.make_mesh(1, 1, 1, devices=ONE), np.arange(8)
+  prompt_B = rows // 3 + 20
+  models, state = setup(mesh, cfg)
+  w = losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg)
+  tw = losses.token_weights(batch.loss_mask_BxT, "token_mean")
+  micro_B = rows // 4
+  part = lambda x, i: jax.tree.map(lambda a: a[4 * i:4 * i + 4], x)
+  grad = jax.jit(jax.grad(lambda p, i: micro_loss((p, None), part(batch, i), part(LossWeights(w, tw), i), 0.0,
+                                                  models, cfg, True)[0]), static_argnums=1)
+  g_i = [np.concatenate([np.ravel(g) for g in jax.tree.leaves(grad(state["params"], i))]).astype(np.float64)
+         for i in range(2)]
+  micro_sq, grad_sq = np.array([g @ g for g in g_i]), (g_i[0] + g_i[1]) @ (g_i[0] + g_i[1])
+  u_B = np.asarray(w.sum(1), np.float64)
+  signal_sq = reference_signal(grad_sq, micro_sq, u_B, prompt_B, micro_B)
+  unit = [reference_signal(*np.eye(3)[k, :1], np.eye(3)[k, 1:], u_B, prompt_B, micro_B) for k in range(3)]
+  scale = np.abs(unit) @ np.abs(np.concatenate([[grad_sq], micro_sq]))
+  ids = jnp.asarray(np.stack([prompt_B, rows % 3], axis=1), jnp.int32)
+  _, _, _, metrics = one_step(mesh, 2, batch, cfg, noise_ids=ids)
+  assert_close_to_sum(metrics["noise_signal_sq"], signal_sq, scale, rel=2e-5)
+  trace = (grad_sq - signal_sq * u_B.sum()**2) / (u_B**2).sum()
+  assert_close_to_sum(metrics["noise_trace"], trace, scale * u_B.sum()**2 / (u_B**2).sum(), rel=2e-5)
+  _, _, _, whole = one_step(mesh, 2, batch, cfg)  # without ids: groups taken as whole, another estimate
+  assert abs(float(whole["noise_signal_sq"]) - signal_sq) > 10 * 2e-5 * scale

@@ -11,9 +11,8 @@ import pytest
 
 from configs.base import algo_config
 from jaxrl_batch.model import sequence_logits
-from jaxrl_batch.rl.learner import reference_logprobs
+from jaxrl_batch.rl.forward import logprobs_and_values, reference_cfg
 from jaxrl_batch.rl.packing import Packing, first_fit_decreasing, pack, plan, unpack
-from jaxrl_batch.rl.update import score
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train.sft import sft_step
 from tests.test_update import B, N, ONE, P, PPO, assert_metrics_close, loss_scale, make_batch, one_step, setup
@@ -101,10 +100,11 @@ def test_trainer_logprobs_values_and_reference_over_packed_rows_equal_the_padded
   models, state = setup(mesh, cfg)
   args = (state["params"], state.get("critic"), batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT)
   with jax.set_mesh(mesh):
-    padded = score(*args, models=models, cfg=cfg, need_policy=True)
-    packed = score(*args, models=models, cfg=cfg, need_policy=True, packing=PACKED)
-    ref = [reference_logprobs(state["params"], batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT,
-                              graphdef=models.graphdef, temperature=0.7, packing=p) for p in (None, PACKED)]
+    padded = logprobs_and_values(*args, models=models, cfg=cfg, need_policy=True)
+    packed = logprobs_and_values(*args, models=models, cfg=cfg, need_policy=True, packing=PACKED)
+    ref_cfg = dataclasses.replace(reference_cfg(cfg), temperature=0.7)
+    ref = [logprobs_and_values(state["params"], None, *args[2:], models=models, cfg=ref_cfg, packing=p)[0]
+           for p in (None, PACKED)]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), padded, packed)
   np.testing.assert_allclose(ref[0], ref[1], atol=2e-5)
   assert np.abs(np.asarray(packed[0])).sum() > 0 and (packed[1] is None) == (not cfg.critic)

@@ -11,7 +11,8 @@ from jaxrl_batch.model import ModelConfig, Transformer, moe
 from jaxrl_batch.model.masks import causal_mask, positions_from_valid
 from jaxrl_batch.rl import routing
 from jaxrl_batch.rl.batch import TrainBatch
-from jaxrl_batch.rl.update import Models, score, update
+from jaxrl_batch.rl.forward import ModelDefs, logprobs_and_values
+from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
 
 
@@ -75,7 +76,7 @@ def _update(graphdef, params, batch, algo=algo_config()):
   tx = optax.adam(1e-2)
   params = jax.tree.map(jnp.copy, params)  # the update donates its state
   state = dict(params=params, opt_state=tx.init(params))
-  return update(state, batch, jnp.float32(0.0), models=Models(graphdef, tx), cfg=algo, num_micro=2)
+  return update(state, batch, jnp.float32(0.0), models=ModelDefs(graphdef, tx), cfg=algo, num_micro=2)
 
 
 def test_update_logs_router_figures_and_mismatch_counts_changed_decisions(models):
@@ -100,10 +101,10 @@ def test_routing_replay_uses_the_recorded_experts_and_aux_loss_moves_the_router(
   other = (experts + 1) % CFG.num_experts
   algo = algo_config(old_logp="trainer")
   args = (batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT)
-  own, _ = score(params, None, *args, experts, models=Models(graphdef, optax.adam(1e-2)), cfg=algo)
-  replayed, _ = score(params, None, *args, other, models=Models(graphdef, optax.adam(1e-2)), cfg=algo)
-  plain, _ = score(*models[False][1:], None, *args, other, models=Models(models[False][0], optax.adam(1e-2)),
-                   cfg=algo)
+  own, _ = logprobs_and_values(params, None, *args, experts, models=ModelDefs(graphdef), cfg=algo)
+  replayed, _ = logprobs_and_values(params, None, *args, other, models=ModelDefs(graphdef), cfg=algo)
+  plain, _ = logprobs_and_values(*models[False][1:], None, *args, other, models=ModelDefs(models[False][0]),
+                                 cfg=algo)
   np.testing.assert_allclose(plain, own, atol=1e-6)  # replay off: the recorded experts are not used
   assert np.abs(np.asarray(replayed - own)).max() > 1e-3
 

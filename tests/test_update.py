@@ -12,10 +12,11 @@ from flax import nnx
 from configs.base import algo_config
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.rl.algorithm import AlgoConfig
-from jaxrl_batch.rl.batch import TrainBatch, sequence_logprobs, split_micro_batches
+from jaxrl_batch.model.logprobs import sequence_logprobs
+from jaxrl_batch.rl.batch import TrainBatch, split_micro_batches
 from jaxrl_batch.rl.critic import init_critic
-from jaxrl_batch.rl.learner import reference_logprobs
-from jaxrl_batch.rl.update import Models, update
+from jaxrl_batch.rl.forward import ModelDefs, logprobs_and_values, reference_cfg
+from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
 
 CFG = ModelConfig(vocab_size=16, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4, d_ff=32)
@@ -50,7 +51,7 @@ def setup(mesh, cfg: AlgoConfig, actor_tx=optax.sgd(0.05), critic_tx=optax.sgd(0
     head = state["critic"] if cfg.share_backbone else state["critic"]["head"]
     head["w"] = head["w"] + 0.1
     state["critic_opt_state"] = critic_tx.init(state["critic"])
-  return Models(graphdef, actor_tx, critic_graphdef, critic_tx if cfg.critic else None), state
+  return ModelDefs(graphdef, actor_tx, critic_graphdef, critic_tx if cfg.critic else None), state
 
 
 def one_step(mesh, num_micro, batch, cfg, kl_coef=0.0, train_actor=True, packing=None, noise_ids=None):
@@ -170,8 +171,8 @@ def test_kl_in_the_loss_matches_hand_computed_k3():
   models, state = setup(mesh, cfg)
   _, ref_params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(7)), mesh, sharding.DEFAULT_RULES)
   batch = make_batch(3)
-  ref = reference_logprobs(ref_params, batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT,
-                           graphdef=models.graphdef, temperature=1.0)
+  ref, _ = logprobs_and_values(ref_params, None, batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT,
+                               models=ModelDefs(models.graphdef), cfg=reference_cfg(cfg))
   batch = batch._replace(ref_logp_BxT=ref)
   want, scale = hand_loss(models, state["params"], batch, cfg, np.asarray(ref), kl_coef=0.5)
   _, _, _, with_kl = one_step(mesh, 2, batch, cfg, kl_coef=0.5)

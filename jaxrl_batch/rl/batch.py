@@ -5,8 +5,6 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_batch.runtime import sharding
-# Sequence log-probs live with the model; kept importable from here.
-from jaxrl_batch.model.logprobs import sequence_logprobs, shifted_logprobs  # noqa: F401
 
 
 class TrainBatch(NamedTuple):

@@ -11,29 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_batch.model import policy_logprobs
 from jaxrl_batch.rl import advantages as adv_lib
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.packing import Packing
-from jaxrl_batch.rl.update import Models, micro_batched, packed_forward, score, update
+from jaxrl_batch.rl.forward import ModelDefs, logprobs_and_values, reference_cfg
+from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding, streams
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "packing", "num_micro"))
-def reference_logprobs(ref_params, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphdef, temperature: float,
-                       packing: Packing | None = None, num_micro: int = 1):
-  """log-probs of the frozen reference policy per token (0 off the loss mask); in `num_micro` forwards of
-  B / num_micro rows, or over packed rows with `packing`."""
-  def fn(tokens, valid, experts=None, segment_ids=None, positions=None):
-    return policy_logprobs(graphdef, ref_params, tokens, valid, temperature, segment_ids, positions)
-
-  if packing is None:
-    logp_BxT = micro_batched(fn, num_micro, tokens_BxT, valid_BxT)
-  else:
-    logp_BxT = packed_forward(fn, tokens_BxT, valid_BxT, None, packing)
-  return jnp.where(loss_mask_BxT, logp_BxT, 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "group_size"))
@@ -97,10 +82,17 @@ def _mean_over_updates(history: list[dict]) -> dict:
   return out
 
 
+def needs_ids(cfg: AlgoConfig, group_size: int, mini_batch_size: int, num_micro: int, packing: Packing | None) -> bool:
+  """Whether the update gets each row's prompt and sample index (`update.update`'s ids_Bx2): for rl.noise_split, and
+  where micro-batches may split groups (shuffled mini-batches, packing, micro-batches not a multiple of the group
+  size), which the noise scale's estimate must know; elsewhere each micro-batch holds whole groups."""
+  return bool(cfg.noise_split or cfg.mini_batches > 1 or packing or (mini_batch_size // num_micro) % group_size)
+
+
 class Learner:
   """Turns rollouts into a `TrainBatch` and applies cfg.epochs x cfg.mini_batches updates to it."""
 
-  def __init__(self, cfg: AlgoConfig, models: Models, *, group_size: int, mini_batch_size: int, num_micro: int,
+  def __init__(self, cfg: AlgoConfig, models: ModelDefs, *, group_size: int, mini_batch_size: int, num_micro: int,
                seed: int, mesh, packing: Packing | None = None, score_num_micro: int = 1):
     """`packing`: every forward (trainer log-probs, reference, critic values, the update) over packed rows;
     `score_num_micro`: forwards that score a batch of padded rows (trainer and reference log-probs, values)."""
@@ -109,14 +101,16 @@ class Learner:
     self.group_size, self.mini_batch_size, self.num_micro, self.seed = group_size, mini_batch_size, num_micro, seed
 
   def orders(self, step: int, batch_size: int) -> list[np.ndarray]:
-    """Host row orders of the step's mini-batches (epochs x mini_batches int32 arrays; none for one mini-batch)."""
+    """Host row orders of the step's mini-batches (epochs x mini_batches int32 arrays; none for one mini-batch): a
+    shuffle per epoch, each mini-batch's rows in batch order, so that a prompt's rows in it are contiguous and
+    micro-batches split few groups (which the noise scale's estimate then needs less; `rl.noise_scale`)."""
     if self.cfg.mini_batches == 1:
       return []
     rng, size = streams.shuffle_rng(self.seed, step), self.mini_batch_size
     orders = []
     for _ in range(self.cfg.epochs):
       order = rng.permutation(batch_size).astype(np.int32)
-      orders += [order[i * size:(i + 1) * size] for i in range(self.cfg.mini_batches)]
+      orders += [np.sort(order[i * size:(i + 1) * size]) for i in range(self.cfg.mini_batches)]
     return orders
 
   def prepare(self, state: dict, rollouts, ref_params, kl_coef) -> tuple[TrainBatch, dict]:
@@ -124,14 +118,13 @@ class Learner:
     gap). `rollouts`: a `rl.rollouts.Rollouts`; kl_coef: float32 device scalar."""
     cfg = self.cfg
     tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B, experts = _from_rollouts(rollouts, mesh=self.mesh)
-    trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), tokens_BxT, valid_BxT, mask_BxT,
-                                         experts, models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer",
-                                         packing=self.packing, num_micro=self.score_num_micro)
+    score = functools.partial(logprobs_and_values, tokens_BxT=tokens_BxT, valid_BxT=valid_BxT,
+                              loss_mask_BxT=mask_BxT, packing=self.packing, num_micro=self.score_num_micro)
+    trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), experts_BxTxLxK=experts,
+                                         models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer")
     ref_logp_BxT = None
-    if cfg.use_kl:
-      ref_logp_BxT = reference_logprobs(ref_params, tokens_BxT, valid_BxT, mask_BxT, graphdef=self.models.graphdef,
-                                         temperature=cfg.temperature, packing=self.packing,
-                                         num_micro=self.score_num_micro)
+    if cfg.use_kl:  # The frozen reference policy, without routing replay or critic.
+      ref_logp_BxT, _ = score(ref_params, None, models=ModelDefs(self.models.graphdef), cfg=reference_cfg(cfg))
     return _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT, values_BxT,
                      rewards_B, kl_coef, experts, cfg=cfg, group_size=self.group_size)
 
@@ -143,7 +136,7 @@ class Learner:
     cfg = self.cfg
     train_actor = step >= cfg.critic_warmup_steps
     ids = None
-    if cfg.noise_split:
+    if needs_ids(cfg, self.group_size, self.mini_batch_size, self.num_micro, self.packing):
       rows_B = jnp.arange(batch.tokens_BxT.shape[0], dtype=jnp.int32)
       ids = jnp.stack([rows_B // self.group_size, rows_B % self.group_size], axis=1)
     minis = [(_take_rows(batch, rows, mesh=self.mesh), None if ids is None else ids[rows]) for rows in orders]

@@ -7,9 +7,6 @@ the mini-batch value, whatever the micro-batch size or device count.
 import jax
 import jax.numpy as jnp
 
-# Token log-probs and entropies live with the model; kept importable from here.
-from jaxrl_batch.model.logprobs import entropy_from_logits, token_logprobs  # noqa: F401
-
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_MODES = ("truncate", "mask")

@@ -5,17 +5,26 @@ Model: prompts are independent and the rollouts of one prompt exchangeable, so t
 tr Cov(x_b, x_b') = A for two rollouts of one prompt (the inter-prompt part: how much prompts differ, plus the
 covariance the group shares, which GRPO's group baseline makes negative: A < 0 is possible) and
 tr Var(x_b) = A + C (C, the intra-prompt part: how much samples of one prompt differ). The loss gradient is
-g = sum_b u_b x_b, u_b the rollout's share of the loss weights (sum_t w_bt). For any signs s_b in {+1, -1}:
-  E|sum_b s_b u_b x_b|^2 = |G|^2 (sum_b s_b u_b)^2 + A sum_p (sum_{b in p} s_b u_b)^2 + C sum_b u_b^2,
-an equation linear in (|G|^2, A, C) whose coefficients the batch gives exactly, whatever the weights.
+g = sum_b u_b x_b, u_b the rollout's share of the loss weights (sum_t w_bt). For any signs s_b in {+1, -1} and any
+subset i of the rows (a micro-batch; U_{p,i} = sum of u_b over the rows of prompt p in i):
+  E|sum_{b in i} s_b u_b x_b|^2 = |G|^2 (sum s_b u_b)^2 + A sum_p (sum_{b in p, i} s_b u_b)^2 + C sum u_b^2,
+an equation linear in (|G|^2, A, C) whose coefficients the batch gives exactly, whatever the weights. A group is
+the rows of one prompt that the mini-batch holds (with rl.mini_batches > 1, a part of the prompt's samples).
 
-- `from_micro_batches`: g and the micro-batch parts g_i (sum_i |g_i|^2): |G|^2 and the per-rollout trace
-  tr = A * (sum_p U_p^2) / (sum_b u_b^2) + C (= G A + C for groups of G with equal weights), so B_simple = tr / |G|^2
-  in rollouts. Exact when each micro-batch holds whole groups (padded micro-batches of a batch in group order);
-  packed micro-batches split groups, which biases |G|^2 by a part of A.
+- `from_micro_batches`: from g and the micro-batch parts g_i, |G|^2 and the mini-batch's per-rollout trace
+  tr = A * (sum_p U_p^2) / (sum_b u_b^2) + C (= G A + C for groups of G with equal weights), so that
+  B_simple = tr / |G|^2 in rollouts. Exact (unbiased) in every configuration where |G|^2 is identifiable: where
+  each micro-batch holds whole groups, from |g|^2 and sum_i |g_i|^2 (padded micro-batches of whole groups, e.g.
+  one mini-batch in group order with micro-batches a multiple of the group size); where micro-batches split groups
+  (rl.mini_batches > 1, micro-batches not a multiple of the group size, rl.packing), by least squares over the
+  equations of each |g_i|^2 and of |g|^2 - sum_i |g_i|^2, whose A coefficients differ. NaN with one micro-batch or
+  where the split leaves |G|^2 unidentifiable. With groups split, two micro-batches identify |G|^2 only through
+  how unevenly they split groups: exact, but several times noisier than with whole groups (the learner keeps each
+  mini-batch's groups contiguous, so that few are split).
 - `from_signed_gradients` (`rl.noise_split`): g, and g with the signs of the sample's parity in its group and of
-  its prompt's parity: |G|^2, A and C. B_inter = A / |G|^2 in prompts, B_intra = C / |G|^2 in rollouts; with G
-  samples per prompt the batch's noise is A / P + C / (P G), so B_simple = G B_inter + B_intra rollouts.
+  its prompt's parity: |G|^2, A and C, exact for any micro-batches, packing and mini-batches (NaN where the system
+  is singular). B_inter = A / |G|^2 in prompts, B_intra = C / |G|^2 in rollouts; with G samples per prompt the
+  batch's noise is A / P + C / (P G), so B_simple = G B_inter + B_intra rollouts.
 
 The per-update estimates are unbiased but noisy; the ratios are taken after exponential moving averages, as the
 paper recommends.
@@ -31,13 +40,68 @@ def _safe_div(num, den):
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.nan)
 
 
-def from_micro_batches(grad_sq, micro_grad_sq_sum, micro_weight_sq_sum, weight_sum, weight_sq_sum) -> dict:
-  """Unbiased (|G|^2, per-rollout trace) from |g|^2 and sum_i |g_i|^2 over micro-batches of loss weights U_i
-  (sum_i U_i^2 = micro_weight_sq_sum, sum_b u_b = weight_sum, sum_b u_b^2 = weight_sq_sum); NaN with one
-  micro-batch."""
+def dense_ids(ids_B) -> jax.Array:
+  """The ids renumbered 0..n-1 (n distinct ids; order kept: ids 0..n-1 stay themselves), so that per-id sums fit
+  B segments whatever the ids (a mini-batch's prompts are numbered over the whole batch)."""
+  return jnp.unique(ids_B, size=ids_B.shape[0], fill_value=-1, return_inverse=True)[1].reshape(ids_B.shape)
+
+
+def _whole_groups(grad_sq, micro_grad_sq_sum, micro_weight_sq_sum, weight_sum, weight_sq_sum) -> dict:
+  """(|G|^2, trace) from |g|^2 and sum_i |g_i|^2 when each micro-batch holds whole groups (sum_i U_i^2 =
+  micro_weight_sq_sum, sum_b u_b = weight_sum, sum_b u_b^2 = weight_sq_sum)."""
   signal_sq = _safe_div(grad_sq - micro_grad_sq_sum, weight_sum**2 - micro_weight_sq_sum)
   trace = _safe_div(grad_sq - signal_sq * weight_sum**2, weight_sq_sum)
   return dict(noise_signal_sq=signal_sq, noise_trace=trace)
+
+
+def micro_batch_design(u_B, prompt_B, micro_B, num_micro: int) -> tuple[jax.Array, jax.Array]:
+  """(coef_Mx3 of E|g_i|^2 per micro-batch i, coef_3 of E|g|^2): the coefficients of (|G|^2, A, C), from each
+  row's weight u_B, prompt id and micro-batch index (rows of micro-batch num_micro or beyond are left out)."""
+  b = u_B.shape[0]
+  prompt_B = dense_ids(prompt_B)
+  pair_B = dense_ids(micro_B * b + prompt_B)  # (micro-batch, prompt) pairs
+  pair_u = jax.ops.segment_sum(u_B, pair_B, num_segments=b)
+  pair_micro = jax.ops.segment_max(micro_B, pair_B, num_segments=b)
+  micro_sum = lambda x: jax.ops.segment_sum(x, micro_B, num_segments=num_micro)
+  coef_Mx3 = jnp.stack([micro_sum(u_B)**2, jax.ops.segment_sum(pair_u**2, pair_micro, num_segments=num_micro),
+                        micro_sum(u_B**2)], axis=1)
+  coef_3 = jnp.stack([jnp.sum(u_B)**2, jnp.sum(jax.ops.segment_sum(u_B, prompt_B, num_segments=b)**2),
+                      jnp.sum(u_B**2)])
+  return coef_Mx3, coef_3
+
+
+def _split_groups_signal(grad_sq, micro_grad_sq_M, coef_Mx3, coef_3):
+  """Unbiased |G|^2 by least squares over the equations of |g_i|^2 and of |g|^2 - sum_i |g_i|^2 (no C term);
+  NaN where |G|^2 is not in the row space of the coefficients (not identifiable)."""
+  coef_Kx3 = jnp.concatenate([(coef_3 - jnp.sum(coef_Mx3, axis=0))[None], coef_Mx3]).at[0, 2].set(0.0)
+  y_K = jnp.concatenate([(grad_sq - jnp.sum(micro_grad_sq_M))[None], micro_grad_sq_M])
+  scale_3 = jnp.max(jnp.abs(coef_Kx3), axis=0)
+  scale_3 = jnp.where(scale_3 > 0, scale_3, 1.0)
+  pinv_3xK = jnp.linalg.pinv(coef_Kx3 / scale_3, rtol=1e-5)
+  identifiable = jnp.abs((pinv_3xK @ (coef_Kx3 / scale_3))[0, 0] - 1.0) < 1e-3
+  return jnp.where(identifiable, (pinv_3xK @ y_K)[0] / scale_3[0], jnp.nan)
+
+
+def from_micro_batches(grad_sq, micro_grad_sq_M, micro_weight_M, u_B, prompt_B=None, micro_B=None) -> dict:
+  """Unbiased (|G|^2, per-rollout trace) of a mini-batch from |g|^2, the micro-batches' |g_i|^2 and weight sums
+  U_i (M of each; micro-batches past those that hold rows are 0), and each row's weight u_B, prompt id (None: each
+  row its own prompt) and micro-batch index. Where each micro-batch holds whole groups: today's two-equation
+  estimate from the sums; otherwise the least squares of `_split_groups_signal`; NaN with one micro-batch."""
+  sq_sum = micro_weight_sq_sum = 0.0
+  for i in range(micro_grad_sq_M.shape[0]):  # in micro-batch order, as the update accumulates its gradient
+    sq_sum, micro_weight_sq_sum = sq_sum + micro_grad_sq_M[i], micro_weight_sq_sum + micro_weight_M[i]**2
+  weight_sum, weight_sq_sum = jnp.sum(u_B), jnp.sum(u_B**2)
+  whole = _whole_groups(grad_sq, sq_sum, micro_weight_sq_sum, weight_sum, weight_sq_sum)
+  if prompt_B is None:
+    return whole
+  prompt_B, num_micro = dense_ids(prompt_B), micro_grad_sq_M.shape[0]
+  weighted_B = u_B != 0
+  first = jax.ops.segment_min(jnp.where(weighted_B, micro_B, num_micro), prompt_B, num_segments=u_B.shape[0])
+  last = jax.ops.segment_max(jnp.where(weighted_B, micro_B, -1), prompt_B, num_segments=u_B.shape[0])
+  groups_whole = jnp.all((last < 0) | (first == last))
+  signal_sq = _split_groups_signal(grad_sq, micro_grad_sq_M, *micro_batch_design(u_B, prompt_B, micro_B, num_micro))
+  split = dict(noise_signal_sq=signal_sq, noise_trace=_safe_div(grad_sq - signal_sq * weight_sum**2, weight_sq_sum))
+  return {k: jnp.where(groups_whole, whole[k], split[k]) for k in whole}
 
 
 def signs(prompt_B, sample_B) -> jax.Array:
@@ -47,11 +111,12 @@ def signs(prompt_B, sample_B) -> jax.Array:
 
 def from_signed_gradients(sq_3, u_B, prompt_B, sample_B) -> dict:
   """Unbiased (|G|^2, A, C) from the squared norms sq_3 of g, g with sample-parity signs and g with prompt-parity
-  signs (in that order), rollout weights u_B and each rollout's prompt id and index in its group; NaN where the
-  system is singular (a batch of one sample per prompt, or of one prompt)."""
+  signs (in that order), rollout weights u_B and each rollout's prompt id (any integers: a mini-batch's are
+  numbered over the whole batch) and index in its group; NaN where the system is singular (a batch of one sample
+  per prompt, or of one prompt)."""
   s_Bx3 = jnp.concatenate([jnp.ones_like(u_B)[:, None], signs(prompt_B, sample_B)], axis=1)
   su_Bx3 = s_Bx3 * u_B[:, None]
-  per_prompt_Px3 = jax.ops.segment_sum(su_Bx3, prompt_B, num_segments=u_B.shape[0])
+  per_prompt_Px3 = jax.ops.segment_sum(su_Bx3, dense_ids(prompt_B), num_segments=u_B.shape[0])
   coef_3x3 = jnp.stack([jnp.sum(su_Bx3, axis=0)**2, jnp.sum(per_prompt_Px3**2, axis=0),
                         jnp.full((3,), jnp.sum(u_B**2))], axis=1)
   det = jnp.linalg.det(coef_3x3)

@@ -55,3 +55,24 @@ def load_balancing_loss(routings, valid_BxT) -> jax.Array:
   losses = [e * jnp.sum(load_E / count * (valid_N @ r.probs_NxE) / count)
             for load_E, r in zip(load_LxE, routings) for e in [r.probs_NxE.shape[-1]]]
   return jnp.mean(jnp.stack(losses))
+
+
+def micro_batch_terms(routings, valid_BxT, recorded_BxTxLxK, num_micro) -> dict:
+  """A micro-batch's router sums: expert loads, mismatched and recorded decisions (where the sampler recorded its
+  routing), and its load-balancing loss / num_micro (so that the micro-batches sum to their mean)."""
+  terms = dict(expert_load=expert_load(routings, valid_BxT),
+               router_aux_loss=load_balancing_loss(routings, valid_BxT) / num_micro)
+  if recorded_BxTxLxK is not None:
+    terms["router_mismatched"], terms["router_recorded"] = mismatched(routings, valid_BxT, recorded_BxTxLxK)
+  return terms
+
+
+def logged(aux: dict) -> dict:
+  """The update's metrics with the summed router terms replaced by the logged expert_load_cv and
+  router_mismatch_frac."""
+  aux = dict(aux)
+  if "expert_load" in aux:
+    aux["expert_load_cv"] = expert_load_cv(aux.pop("expert_load"))
+  if "router_recorded" in aux:
+    aux["router_mismatch_frac"] = aux.pop("router_mismatched") / jnp.maximum(aux.pop("router_recorded"), 1.0)
+  return aux

@@ -5,8 +5,9 @@ shapes (no weights, no data, no TPU).
 step's state, batch and prompts as sharded `jax.ShapeDtypeStruct`s, and compiles the jitted functions the trainer
 calls, with the static arguments it passes:
   update     `rl.update.update`: one optimizer step on a mini-batch, micro-batches accumulated.
-  score      `rl.update.score`: the trainer's old log-probs (rl.old_logp='trainer') and the critic's old values.
-  reference  `rl.learner.reference_logprobs`: the frozen reference policy's log-probs (rl.kl_coef > 0).
+  score      `rl.forward.logprobs_and_values`: the trainer's old log-probs (rl.old_logp='trainer') and the critic's
+             old values.
+  reference  the same function on the frozen reference policy: its log-probs (rl.kl_coef > 0).
   rollout    the static engine's `sampling.generate` (prefill and the whole decode loop), as
              `train.collector._sample` runs it for one block of all rows.
   prefill    the continuous engine's `sampling.continuous._prefill`: the step's Q prompts (one per group; with
@@ -57,7 +58,7 @@ from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.model import ModelConfig
 from jaxrl_batch.model.value_head import ValueHead, ValueModel
 from jaxrl_batch.rl import critic as critic_lib
-from jaxrl_batch.rl import learner, update
+from jaxrl_batch.rl import forward, learner, update
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling import SamplingParams, continuous, generate
@@ -69,8 +70,8 @@ PROGRAMS = ("update", "score", "reference", "rollout", "prefill", "decode", "rep
             "publish")
 # The function each program compiles (the rollout's: `sampling.generate` itself when it runs in blocks of slots; the
 # eval's: `continuous._chunk` with the continuous engine). The publish is no program: the copy of its bytes.
-FUNCTIONS = dict(update="jaxrl_batch.rl.update.update", score="jaxrl_batch.rl.update.score",
-                 reference="jaxrl_batch.rl.learner.reference_logprobs", rollout="jaxrl_batch.train.collector._sample",
+FUNCTIONS = dict(update="jaxrl_batch.rl.update.update", score="jaxrl_batch.rl.forward.logprobs_and_values",
+                 reference="jaxrl_batch.rl.forward.logprobs_and_values", rollout="jaxrl_batch.train.collector._sample",
                  prefill="jaxrl_batch.sampling.continuous._prefill",
                  decode="jaxrl_batch.sampling.continuous._chunk",
                  reprefill="jaxrl_batch.sampling.continuous._resume",
@@ -230,7 +231,7 @@ def _abstract_opt_state(tx: optax.GradientTransformation, params, mesh):
 class _Step:
   """The abstract pieces of one RL step (what `train.trainer.Trainer` holds), as sharded ShapeDtypeStructs."""
   exp: Experiment
-  models: update.Models
+  models: forward.ModelDefs
   state: dict
   ref_params: dict | None
   memo: dict = dataclasses.field(default_factory=dict)  # The engine's inputs, laid out once (`_engine_inputs`).
@@ -247,7 +248,7 @@ class _Step:
                                  (m.critic_lr, m.critic_adam)).tx
       critic_graphdef, state["critic"] = _abstract_critic(exp)
       state["critic_opt_state"] = _abstract_opt_state(critic_tx, state["critic"], exp.mesh)
-    models = update.Models(graphdef, actor.tx, critic_graphdef, critic_tx)
+    models = forward.ModelDefs(graphdef, actor.tx, critic_graphdef, critic_tx)
     return cls(exp, models, state, params if m.algo.use_kl else None)
 
   def rows(self, shape, dtype):
@@ -281,7 +282,8 @@ def _program_update(step: _Step):
   exp, m = step.exp, step.exp.member
   algo = m.algo
   batch = step.train_batch(m.mini_batch_size)
-  noise_ids = step.rows((m.mini_batch_size, 2), jnp.int32) if algo.noise_split else None
+  needs_ids = learner.needs_ids(algo, m.group_size, m.mini_batch_size, m.num_micro, exp.packing)
+  noise_ids = step.rows((m.mini_batch_size, 2), jnp.int32) if needs_ids else None
   kl_coef = _struct((), jnp.float32, sharding.replicated(exp.mesh))
   resident = step.resident("ref") + _async_copy(step)
   if algo.updates_per_step > 1:  # The step's whole batch stays while its mini-batches are trained on.
@@ -309,7 +311,7 @@ def _program_score(step: _Step):
   kwargs = dict(models=step.models, cfg=algo, need_policy=need_policy, packing=exp.packing,
                 num_micro=m.score_num_micro)
   resident = step.resident("opt_state", "critic_opt_state", "ref") + _async_copy(step)
-  return update.score, args, kwargs, resident, _forward_shape(step, b)
+  return forward.logprobs_and_values, args, kwargs, resident, _forward_shape(step, b)
 
 
 def _program_reference(step: _Step):
@@ -317,12 +319,12 @@ def _program_reference(step: _Step):
   if not m.algo.use_kl:
     return "rl.kl_coef=0: no KL term, no reference policy"
   b = m.batch_size
-  args = (step.ref_params, step.rows((b, step.length), jnp.int32), step.rows((b, step.length), bool),
+  args = (step.ref_params, None, step.rows((b, step.length), jnp.int32), step.rows((b, step.length), bool),
           step.rows((b, step.length), bool))
-  kwargs = dict(graphdef=step.models.graphdef, temperature=m.algo.temperature, packing=exp.packing,
-                num_micro=m.score_num_micro)
+  kwargs = dict(models=forward.ModelDefs(step.models.graphdef), cfg=forward.reference_cfg(m.algo),
+                packing=exp.packing, num_micro=m.score_num_micro)
   resident = step.resident("params", "opt_state", "critic", "critic_opt_state") + _async_copy(step)
-  return learner.reference_logprobs, args, kwargs, resident, _forward_shape(step, b)
+  return forward.logprobs_and_values, args, kwargs, resident, _forward_shape(step, b)
 
 
 def _forward_shape(step: _Step, rows: int) -> str:

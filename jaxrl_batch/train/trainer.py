@@ -25,10 +25,10 @@ import numpy as np
 
 from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.rl.critic import init_critic
+from jaxrl_batch.rl.forward import ModelDefs
 from jaxrl_batch.rl.kl_control import KLController
 from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
-from jaxrl_batch.rl.update import Models
 from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
@@ -202,8 +202,8 @@ class Trainer:
       state["opt_state"] = self.optimizer.tx.init(base_params)
       if self.algo.critic:
         state["critic_opt_state"] = self.critic_optimizer.tx.init(state["critic"])
-    models = Models(self.graphdef, self.optimizer.tx, critic_graphdef,
-                    self.critic_optimizer.tx if self.critic_optimizer else None)
+    models = ModelDefs(self.graphdef, self.optimizer.tx, critic_graphdef,
+                       self.critic_optimizer.tx if self.critic_optimizer else None)
     self.learner = Learner(self.algo, models, group_size=m.group_size, mini_batch_size=m.mini_batch_size,
                            num_micro=m.num_micro, seed=m.seed, mesh=exp.mesh, packing=exp.packing,
                            score_num_micro=m.score_num_micro)
