@@ -6,9 +6,9 @@ name (`counts()`), so a test can run steps under `jax.transfer_guard("disallow_e
 device-to-host read refused, and check that only the named crossings happen. Inside a named crossing transfers are
 allowed; `current()` names it.
 
-A GRPO or PPO step (one sampling round) crosses four times: prompts (+ the sampling key's data) up, response
-tokens down (for decoding and scoring), rewards (+ the mini-batch orders and the KL coefficient) up, and the step's
-metrics down, once, one step late.
+A GRPO or PPO step (one sampling round) crosses five times: prompts (+ the sampling key's data) up, response
+tokens down (for decoding and scoring), rewards up, the KL coefficient and the mini-batch orders up (from the
+trainer), and the step's metrics down, once, one step late.
 """
 import collections
 import contextlib
