@@ -23,6 +23,11 @@ GSM8K = os.path.join(ROOT, "configs", "grpo_gsm8k_qwen.py")
 ONE = jax.devices()[:1]
 
 
+# Under `-n 2` the tests of one trained study or sweep run in one worker, which trains it once (`--dist=loadgroup`).
+ON_ARITH_STUDYS_WORKER = pytest.mark.xdist_group("arith_study")
+ON_SWEEPS_WORKER = pytest.mark.xdist_group("throughput_sweep")
+
+
 @pytest.fixture(scope="module")
 def cache(base_cache):
   """`--set` of the suite's SFT cache (one warm start per model)."""
@@ -118,6 +123,7 @@ def test_bad_overrides_are_refused(override, message):
     apply_overrides(grpo_arith.get_config("debug"), [override])
 
 
+@ON_ARITH_STUDYS_WORKER
 def test_tiny_study_runs_every_member_to_the_same_budget(arith_study):
   _, workdir = arith_study
   names = sorted(os.listdir(workdir))
@@ -128,6 +134,7 @@ def test_tiny_study_runs_every_member_to_the_same_budget(arith_study):
     assert saved["config"]["batch_size"] == saved["derived"]["batch_size"] == int(name.split("_b")[1].split("_")[0])
 
 
+@ON_ARITH_STUDYS_WORKER
 def test_rerunning_a_study_skips_finished_members(arith_study):
   args, workdir = arith_study
   paths = [rundir.metrics_path(os.path.join(workdir, n)) for n in sorted(os.listdir(workdir))]
@@ -137,6 +144,7 @@ def test_rerunning_a_study_skips_finished_members(arith_study):
   assert mtimes == [os.path.getmtime(p) for p in paths]
 
 
+@ON_ARITH_STUDYS_WORKER
 def test_tiny_study_is_analysed_with_censored_members(arith_study):
   _, workdir = arith_study
   analysis = analyze(workdir, target=0.5)
@@ -164,6 +172,7 @@ def test_gsm8k_tiny_study_runs_two_batches_to_the_same_budget_and_is_analysed(gs
   assert all(m["throughput_samples_per_s"] > 0 for m in analysis["members"])
 
 
+@ON_SWEEPS_WORKER
 def test_throughput_sweep_measures_each_batch(swept):
   plan_dir, rates = swept
   assert sorted(rates) == [16, 32] and all(r > 0 for r in rates.values())
@@ -173,6 +182,7 @@ def test_throughput_sweep_measures_each_batch(swept):
 
 
 @pytest.mark.slow
+@ON_SWEEPS_WORKER
 def test_plan_batch_cli_writes_the_plan_and_reuses_finished_sweep_runs(swept, cache):
   plan_dir, _ = swept
   analysis = dict(target=0.9, members=[

@@ -2,6 +2,7 @@
 import contextlib
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -22,6 +23,10 @@ PPO_FIELDS = TRAIN_FIELDS | {"value_loss", "vf_explained_var", "critic_grad_norm
 EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy", "eval_reward_errors"}
 
 
+# Under `-n 2` the tests that read `debug_run` run in one worker, which trains it once (`--dist=loadgroup`).
+ON_DEBUG_RUNS_WORKER = pytest.mark.xdist_group("debug_run")
+
+
 @pytest.fixture(scope="module")
 def debug_run(tmp_path_factory, base_cache):
   """The directory of one uninterrupted run of the debug member, shared by the tests that only read it."""
@@ -30,6 +35,7 @@ def debug_run(tmp_path_factory, base_cache):
   return workdir
 
 
+@ON_DEBUG_RUNS_WORKER
 def test_run_writes_the_metrics_contract(debug_run):
   workdir = debug_run
   rows = rundir.read_metrics(workdir)
@@ -51,6 +57,7 @@ def test_run_writes_the_metrics_contract(debug_run):
   assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 6
 
 
+@ON_DEBUG_RUNS_WORKER
 def test_a_run_stops_at_the_accuracy_it_reaches_and_stays_finished(tmp_path, base_cache, debug_run):
   """stop_at_accuracy at the debug member's third evaluation (the first above the base's): the run ends there with a
   checkpoint and the rows of the full run so far; a rerun trains nothing; the study and the analysis count it
@@ -74,6 +81,7 @@ def test_a_run_stops_at_the_accuracy_it_reaches_and_stays_finished(tmp_path, bas
   assert [r["samples"] for r in rundir.read_metrics(stopped) if "eval_accuracy" in r] == [0, 64, 128, 192]
 
 
+@ON_DEBUG_RUNS_WORKER
 @pytest.mark.parametrize("module, overrides", [
     (grpo_arith, {}),
     (ppo_arith, {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}),
@@ -110,9 +118,10 @@ def test_partial_rollouts_carried_across_a_kill_resume_to_the_same_result(tmp_pa
   assert rundir.rows_mismatch(a, b, rundir.REPRODUCIBLE_FIELDS + partial) is None
 
 
-def test_incompatible_workdir_is_refused_without_changes(tmp_path, base_cache):
+@ON_DEBUG_RUNS_WORKER
+def test_incompatible_workdir_is_refused_without_changes(tmp_path, base_cache, debug_run):
   workdir = str(tmp_path / "run")
-  Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
+  shutil.copytree(debug_run, workdir)  # a run of debug_config(base_cache)
   before = open(os.path.join(workdir, "metrics.jsonl")).read()
   with pytest.raises(ValueError, match=r"different config \(optim.base_lr: 0.002 -> 0.001"):
     Trainer(debug_config(base_cache, **{"optim.base_lr": 1e-3}), workdir, devices=ONE_DEVICE).run()
