@@ -10,10 +10,12 @@ from flax import nnx
 
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.runtime import sharding, transfer
-from jaxrl_batch.sampling import SamplingParams, continuous, generate, generate_continuous, rollout, static_stats
+from jaxrl_batch.sampling import (EngineSettings, Strategy, continuous, generate, generate_continuous, rollout,
+                                  static_stats)
 
 V, EOS, PAD, N = 24, 2, 0, 12
 CFG = ModelConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64)
+GREEDY, SAMPLED = Strategy(temperature=0.0), Strategy(temperature=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +38,16 @@ def _requests(seed, prompts=4, group=2, width=5):
 
 def _static(tiny, prompt, valid, budget, sampling, group=2):
   return generate(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
-                  sampling=sampling, group_size=group, budget_B=budget)
+                  sampling=sampling, group_size=group, budget_B=budget, attention_backend="xla")
 
 
-def _continuous(tiny, prompt, valid, budget, sampling, slots, group=2):
+def _engine(chunk, backend="xla", page_size=0, pages=0):
+  return EngineSettings(engine="continuous", chunk=chunk, attention_backend=backend, page_size=page_size, pages=pages)
+
+
+def _continuous(tiny, prompt, valid, budget, sampling, engine, slots, group=2):
   return generate_continuous(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
-                             sampling=sampling, group_size=group, slots=slots, budget_B=budget)
+                             sampling=sampling, engine=engine, group_size=group, slots=slots, budget_B=budget)
 
 
 def _assert_same(a, b, atol=1e-5):
@@ -53,11 +59,9 @@ def _assert_same(a, b, atol=1e-5):
 @pytest.mark.parametrize("slots,chunk", [(1, 16), (3, 2), (5, 1), (8, 4)])
 def test_greedy_tokens_equal_the_static_engine_whatever_slots_and_chunk(tiny, slots, chunk):
   prompt, valid, budget = _requests(0)
-  expected = _static(tiny, prompt, valid, budget, SamplingParams(temperature=0.0, attention_backend="xla"))
+  expected = _static(tiny, prompt, valid, budget, GREEDY)
   assert len(set(np.asarray(expected.lengths_B).tolist())) > 3  # slots end, and are refilled, at different times
-  got, stats = _continuous(tiny, prompt, valid, budget,
-                           SamplingParams(temperature=0.0, attention_backend="xla", engine="continuous", chunk=chunk),
-                           slots)
+  got, stats = _continuous(tiny, prompt, valid, budget, GREEDY, _engine(chunk), slots)
   _assert_same(got, expected)
   lengths = np.asarray(expected.lengths_B)
   assert stats.decoded == (lengths - 1).sum() and stats.slot_steps >= stats.decoded
@@ -66,8 +70,7 @@ def test_greedy_tokens_equal_the_static_engine_whatever_slots_and_chunk(tiny, sl
 
 def test_sampled_tokens_do_not_depend_on_slots_or_chunk(tiny):
   prompt, valid, budget = _requests(1)
-  runs = [_continuous(tiny, prompt, valid, budget, SamplingParams(temperature=1.0, attention_backend="xla",
-                                                                  engine="continuous", chunk=chunk), slots)[0]
+  runs = [_continuous(tiny, prompt, valid, budget, SAMPLED, _engine(chunk), slots)[0]
           for slots, chunk in ((8, 16), (2, 3), (1, 1))]
   for other in runs[1:]:
     _assert_same(other, runs[0])
@@ -78,8 +81,7 @@ def test_sampled_tokens_do_not_depend_on_slots_or_chunk(tiny):
 
 def test_pallas_backend_gives_the_xla_tokens(tiny):
   prompt, valid, budget = _requests(2)
-  runs = [_continuous(tiny, prompt, valid, budget, SamplingParams(temperature=0.0, attention_backend=backend,
-                                                                  engine="continuous", chunk=4), 3)[0]
+  runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(4, backend), 3)[0]
           for backend in ("xla", "pallas")]
   _assert_same(runs[1], runs[0], atol=1e-4)
 
@@ -97,8 +99,7 @@ def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
   # One long request (budget N) then 15 short ones (budget 2: one decode step each), 2 slots, chunk 1.
   prompt, valid, _ = _requests(3, prompts=16, group=1, width=5)
   budget = jnp.asarray([N] + [2] * 15, jnp.int32)
-  _continuous(tiny, prompt, valid, budget, SamplingParams(temperature=0.0, attention_backend="xla",
-                                                          engine="continuous", chunk=1), 2, group=1)
+  _continuous(tiny, prompt, valid, budget, GREEDY, _engine(1), 2, group=1)
   p = prompt.shape[1]
   assert sizes[0] == 8 and max(sizes) == p + N - 1  # cache_buckets(5, 12): (8, 16)
   assert set(sizes) <= {8, p + N - 1}
@@ -106,23 +107,22 @@ def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
 
 
 def test_one_upload_and_one_download_per_chunk_and_no_recompiles(tiny):
-  sampling = SamplingParams(temperature=1.0, attention_backend="xla", engine="continuous", chunk=3)
   prompt, valid, budget = _requests(4)
-  _continuous(tiny, prompt, valid, budget, sampling, 3)
+  _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(3), 3)
   compiled = continuous._chunk._cache_size()
   transfer.reset()
   prompt, valid, budget = _requests(5)
-  _, stats = _continuous(tiny, prompt, valid, budget, sampling, 3)
+  _, stats = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(3), 3)
   assert transfer.counts() == {"admit": stats.chunks, "slots": stats.chunks}
   assert continuous._chunk._cache_size() == compiled
 
 
 def test_static_blocks_and_their_figures(tiny):
   prompt, valid, budget = _requests(6)
-  greedy = SamplingParams(temperature=0.0, attention_backend="xla")
-  whole = _static(tiny, prompt, valid, budget, greedy)
+  static = EngineSettings(attention_backend="xla")
+  whole = _static(tiny, prompt, valid, budget, GREEDY)
   blocks, stats = rollout(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
-                          sampling=greedy, group_size=2, slots=4, budget_B=budget)
+                          sampling=GREEDY, engine=static, group_size=2, slots=4, budget_B=budget)
   assert stats is None
   _assert_same(blocks, whole)
   lengths = np.asarray(whole.lengths_B)
@@ -130,21 +130,20 @@ def test_static_blocks_and_their_figures(tiny):
   assert figures.slot_steps == 4 * (lengths[:4].max() - 1) + 4 * (lengths[4:].max() - 1)
   assert figures.decoded == (lengths - 1).sum()
   with pytest.raises(ValueError, match="multiple of group_size"):
-    rollout(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD, sampling=greedy,
-            group_size=2, slots=3)
+    rollout(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD, sampling=GREEDY,
+            engine=static, group_size=2, slots=3)
 
 
 def test_a_mesh_of_8_devices_gives_the_single_device_rollout(tiny):
   prompt, valid, budget = _requests(7, prompts=8, group=2)
-  sampling = SamplingParams(temperature=1.0, attention_backend="xla", engine="continuous", chunk=4)
-  expected, _ = _continuous(tiny, prompt, valid, budget, sampling, 8)
+  expected, _ = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(4), 8)
   mesh = sharding.make_mesh(8, 1, 1)
   graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(3)), mesh, sharding.DEFAULT_RULES)
   rows = sharding.batch_sharding(mesh, 2)
   with jax.set_mesh(mesh):
     got, _ = generate_continuous(graphdef, params, jax.device_put(prompt, rows), jax.device_put(valid, rows),
-                                 jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD, sampling=sampling,
-                                 group_size=2, slots=8, budget_B=budget,
+                                 jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD, sampling=SAMPLED,
+                                 engine=_engine(4), group_size=2, slots=8, budget_B=budget,
                                  row_sharding=lambda ndim: sharding.batch_sharding(mesh, ndim))
   assert not got.tokens_BxN.sharding.is_fully_replicated  # the requests stay split over the 8 devices
   _assert_same(got, expected, atol=1e-4)
@@ -155,37 +154,33 @@ def test_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny, temper
   # Stop after two chunks, then decode again with the partial sequences carried over (re-prefilled from their
   # prompt and tokens): the same tokens as one uninterrupted call, the carried ones first into the slots.
   prompt, valid, budget = _requests(8)
-  sampling = SamplingParams(temperature=temperature, attention_backend="xla", engine="continuous", chunk=2)
+  sampling, engine = Strategy(temperature=temperature), _engine(2)
   requests = continuous.new_requests(8, group_size=2, max_new_tokens=N, pad_id=PAD, budget_B=budget)
-  expected, _ = _continuous(tiny, prompt, valid, budget, sampling, 3)
+  expected, _ = _continuous(tiny, prompt, valid, budget, sampling, engine, 3)
   args = (*tiny, prompt[::2], valid[::2])
   chunks = []
   first = continuous.decode(*args, requests, np.zeros(8), range(8), jax.random.key(0), eos_id=EOS, sampling=sampling,
-                            slots=3, stop=lambda ended, steps: chunks.append(steps) or len(chunks) == 2)
+                            engine=engine, slots=3, stop=lambda ended, steps: chunks.append(steps) or len(chunks) == 2)
   held = first.held_R
   assert 0 < (held > 0).sum() <= 3 and not first.ended_R.all()
   out = first.outputs
   lengths = jnp.where(jnp.asarray(held > 0), jnp.asarray(held, jnp.int32), 0)
   carried = requests._replace(tokens_RxN=out.tokens_RxN, logprobs_RxN=out.logprobs_RxN, lengths_R=lengths)
   rest = [i for i in range(8) if not first.ended_R[i]]
-  second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=sampling, slots=3)
+  second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=sampling,
+                             engine=engine, slots=3)
   assert second.ended_R[rest].all()
   merged = jax.tree.map(lambda a, b: jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b),
                         out, second.outputs)
   _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
 
 
-def _paged(page_size, pages=0, chunk=2, temperature=0.0, backend="xla"):
-  return SamplingParams(temperature=temperature, attention_backend=backend, engine="continuous", chunk=chunk,
-                        page_size=page_size, pages=pages)
-
-
 @pytest.mark.parametrize("page_size,slots", [(2, 3), (4, 5), (16, 8)])
 def test_a_paged_cache_gives_the_static_engine_tokens(tiny, page_size, slots):
   # Prompts of 5 slots are left-padded to a multiple of the page; the samples of a prompt share its pages.
   prompt, valid, budget = _requests(9)
-  expected = _static(tiny, prompt, valid, budget, SamplingParams(temperature=0.0, attention_backend="xla"))
-  got, stats = _continuous(tiny, prompt, valid, budget, _paged(page_size), slots)
+  expected = _static(tiny, prompt, valid, budget, GREEDY)
+  got, stats = _continuous(tiny, prompt, valid, budget, GREEDY, _engine(2, page_size=page_size), slots)
   _assert_same(got, expected, atol=1e-4)
   assert stats.preempted == 0 and 0 < stats.pages_peak <= slots * -(-(N - 1) // page_size)
 
@@ -195,36 +190,37 @@ def test_a_short_pool_preempts_and_re_prefills_to_the_same_tokens(tiny):
   # started sequences give their pages back and resume later from their tokens and keys while other slots decode.
   prompt, valid, _ = _requests(10)
   budget = jnp.full((8,), N, jnp.int32)
-  ample, _ = _continuous(tiny, prompt, valid, budget, _paged(2, temperature=1.0), 4)
-  short, stats = _continuous(tiny, prompt, valid, budget, _paged(2, pages=10, temperature=1.0), 4)
+  ample, _ = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(2, page_size=2), 4)
+  short, stats = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(2, page_size=2, pages=10), 4)
   assert stats.preempted > 0 and stats.pages_peak <= 10 and stats.reprefill_s > 0
   _assert_same(short, ample, atol=1e-4)
   with pytest.raises(ValueError, match="cannot hold one sequence"):
-    _continuous(tiny, prompt, valid, budget, _paged(2, pages=5), 4)
+    _continuous(tiny, prompt, valid, budget, GREEDY, _engine(2, page_size=2, pages=5), 4)
 
 
 def test_the_paged_pallas_kernel_gives_the_xla_tokens(tiny):
   prompt, valid, budget = _requests(11)
-  runs = [_continuous(tiny, prompt, valid, budget, _paged(4, chunk=4, backend=backend), 3)[0]
+  runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(4, backend, page_size=4), 3)[0]
           for backend in ("xla", "pallas")]
   _assert_same(runs[1], runs[0], atol=1e-4)
 
 
 def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
   prompt, valid, budget = _requests(12)
-  sampling = _paged(4, temperature=1.0)
+  engine = _engine(2, page_size=4)
   requests = continuous.new_requests(8, group_size=2, max_new_tokens=N, pad_id=PAD, budget_B=budget)
-  expected, _ = _continuous(tiny, prompt, valid, budget, sampling, 3)
+  expected, _ = _continuous(tiny, prompt, valid, budget, SAMPLED, engine, 3)
   args = (*tiny, prompt[::2], valid[::2])
-  first = continuous.decode(*args, requests, np.zeros(8), range(8), jax.random.key(0), eos_id=EOS, sampling=sampling,
-                            slots=3, stop=lambda ended, steps: steps >= 4)
+  first = continuous.decode(*args, requests, np.zeros(8), range(8), jax.random.key(0), eos_id=EOS, sampling=SAMPLED,
+                            engine=engine, slots=3, stop=lambda ended, steps: steps >= 4)
   held = first.held_R
   assert 0 < (held > 0).sum() and not first.ended_R.all()
   out = first.outputs
   carried = requests._replace(tokens_RxN=out.tokens_RxN, logprobs_RxN=out.logprobs_RxN,
                               lengths_R=jnp.asarray(held, jnp.int32))
   rest = [i for i in range(8) if not first.ended_R[i]]
-  second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=sampling, slots=3)
+  second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=SAMPLED,
+                             engine=engine, slots=3)
   merged = jax.tree.map(lambda a, b: jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b),
                         out, second.outputs)
   _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
@@ -232,12 +228,12 @@ def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
 
 def test_a_paged_cache_refuses_what_it_cannot_do(tiny):
   with pytest.raises(ValueError, match="engine='continuous'"):
-    SamplingParams(page_size=4)
+    EngineSettings(page_size=4)
   with pytest.raises(ValueError, match=">= 0"):
-    SamplingParams(engine="continuous", page_size=4, pages=-1)
+    EngineSettings(engine="continuous", page_size=4, pages=-1)
   prompt, valid, budget = _requests(13, prompts=8)
   mesh = sharding.make_mesh(8, 1, 1)
   with pytest.raises(ValueError, match="one device"):
     generate_continuous(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
-                        sampling=_paged(4), group_size=2, slots=8, budget_B=budget,
+                        sampling=GREEDY, engine=_engine(2, page_size=4), group_size=2, slots=8, budget_B=budget,
                         row_sharding=lambda ndim: sharding.batch_sharding(mesh, ndim))

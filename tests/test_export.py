@@ -15,7 +15,7 @@ from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.forward import ModelDefs
 from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
-from jaxrl_batch.sampling import SamplingParams, continuous, generate
+from jaxrl_batch.sampling import Strategy, continuous, generate
 from tests.helpers import tiny_config
 
 # H = 16: Triton's dot wants dimensions >= 16.
@@ -88,11 +88,11 @@ def test_the_pallas_backend_refuses_tpu_by_name(model):
 @pytest.mark.parametrize("platform,backend", [("tpu", "xla"), ("cuda", "xla"), ("cuda", "pallas")])
 def test_the_static_engine_lowers(model, platform, backend):
   graphdef, params = model
-  sampling = SamplingParams(temperature=1.0, top_k=4, attention_backend=backend)
+  sampling = Strategy(temperature=1.0, top_k=4)
 
   def rollout(params, prompt_BxP, valid_BxP, rng):
     return generate(graphdef, params, prompt_BxP, valid_BxP, rng, max_new_tokens=N, eos_id=2, pad_id=0,
-                    sampling=sampling)
+                    sampling=sampling, attention_backend=backend)
 
   args = (params, _sds((B, P), jnp.int32), _sds((B, P), jnp.bool_), jax.eval_shape(lambda: jax.random.key(0)))
   text = _lowers(rollout, args, platform)
@@ -106,7 +106,6 @@ def test_the_continuous_engine_lowers(model, platform, backend):
   """Its per-chunk program (admissions, then decode steps of slots at their own cache slots) and the re-prefill of
   carried-over sequences, at S = 2 slots, R = 4 requests, Q = 2 prompts."""
   graphdef, params = model
-  sampling = SamplingParams(temperature=1.0, attention_backend=backend, engine="continuous", chunk=4)
   s, r, q = 2, 4, 2
   prefix = jax.eval_shape(lambda prompt, valid: continuous._prefill(graphdef, params, prompt, valid),
                           _sds((q, P), jnp.int32), _sds((q, P), jnp.bool_))
@@ -116,7 +115,7 @@ def test_the_continuous_engine_lowers(model, platform, backend):
 
   def chunk(params, state, outputs, prefix, requests, admit_S, key):
     return continuous._chunk(graphdef, params, state, outputs, prefix, requests, admit_S, key, steps=4, eos_id=2,
-                             sampling=sampling)
+                             sampling=Strategy(temperature=1.0), attention_backend=backend)
 
   text = _lowers(chunk, (params, state, outputs, prefix, requests, _sds((s,), jnp.int32), key), platform)
   assert (TRITON in text) == (backend == "pallas")

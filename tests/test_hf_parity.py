@@ -15,7 +15,7 @@ safetensors = pytest.importorskip("safetensors")
 
 from jaxrl_batch import from_pretrained, save_pretrained  # noqa: E402
 from jaxrl_batch.model import sequence_logits  # noqa: E402
-from jaxrl_batch.sampling import SamplingParams, generate  # noqa: E402
+from jaxrl_batch.sampling import Strategy, generate  # noqa: E402
 
 V, PAD, EOS = 128, 0, 127
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -104,7 +104,7 @@ def test_greedy_generation_matches_transformers(checkpoint, name):
   prompt, valid = _batch(2, 6, pad=2, seed=1)
   n = 8
   ours = generate(graphdef, params, prompt, valid, jax.random.key(0), max_new_tokens=n, eos_id=EOS, pad_id=PAD,
-                  sampling=SamplingParams(temperature=0.0))
+                  sampling=Strategy(temperature=0.0))
   with torch.no_grad():
     out = model.generate(input_ids=torch.tensor(prompt), attention_mask=torch.tensor(valid.astype(np.int64)),
                          max_new_tokens=n, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)

@@ -195,17 +195,17 @@ def test_expert_count_not_divisible_by_expert_axis_is_refused():
 def test_engines_record_the_routing_the_trainer_recomputes(engine, page_size):
   """The sampler's experts per fed token (prefill and decode steps) are the full-sequence forward's, in float32;
   -1 at padding and at each response's last token, which is never fed."""
-  from jaxrl_batch.sampling import SamplingParams, rollout
+  from jaxrl_batch.sampling import EngineSettings, Strategy, rollout
   graphdef, params = one_device_model(CFG)
   rng = np.random.default_rng(0)
   lengths = np.array([1, 4, 6])
   valid = np.arange(6)[None, :] >= 6 - lengths[:, None]
   prompt, valid = (np.repeat(x, 2, axis=0) for x in (np.where(valid, rng.integers(3, CFG.vocab_size, (3, 6)), 0),
                                                      valid))
-  sampling = SamplingParams(temperature=1.0, attention_backend="xla", engine=engine, chunk=3, page_size=page_size)
+  settings = EngineSettings(attention_backend="xla", engine=engine, chunk=3, page_size=page_size)
   out, _ = rollout(graphdef, params, jnp.asarray(prompt, jnp.int32), jnp.asarray(valid), jax.random.key(1),
-                   max_new_tokens=9, eos_id=2, pad_id=0, sampling=sampling, group_size=2, slots=3 if engine ==
-                   "continuous" else 0, budget_B=jnp.array([9, 3, 9, 5, 9, 2]))
+                   max_new_tokens=9, eos_id=2, pad_id=0, sampling=Strategy(temperature=1.0), engine=settings,
+                   group_size=2, slots=3 if engine == "continuous" else 0, budget_B=jnp.array([9, 3, 9, 5, 9, 2]))
   tokens = jnp.concatenate([jnp.asarray(prompt, jnp.int32), out.tokens_BxN], axis=1)
   full_valid = jnp.concatenate([jnp.asarray(valid), out.mask_BxN], axis=1)
   _, _, routings = nnx.merge(graphdef, params).forward(tokens, positions_from_valid(full_valid),

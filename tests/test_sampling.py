@@ -10,14 +10,14 @@ from flax import nnx
 
 from jaxrl_batch.model import ModelConfig, Transformer, sequence_logits
 from jaxrl_batch.runtime import sharding
-from jaxrl_batch.sampling import SamplingParams, generate
+from jaxrl_batch.sampling import EngineSettings, Strategy, engine_settings, generate
 from jaxrl_batch.sampling.generate import cache_buckets
 from jaxrl_batch.sampling.strategies import argmax, sample, truncate
 
 V, EOS, PAD = 12, 2, 0
 FAKE_CFG = ModelConfig(vocab_size=V, d_model=4, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, d_ff=4)
 TINY_CFG = ModelConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64)
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = Strategy(temperature=0.0)
 
 
 class StepLog:
@@ -94,7 +94,7 @@ def test_sampling_at_temperature_follows_a_confident_model():
   graphdef, params = _fake()
   prompt = jnp.array([[3]], jnp.int32)
   out = generate(graphdef, params, prompt, prompt != PAD, jax.random.key(1), max_new_tokens=3, eos_id=EOS,
-                 pad_id=PAD, sampling=SamplingParams(temperature=1.0, top_k=3, top_p=0.9))
+                 pad_id=PAD, sampling=Strategy(temperature=1.0, top_k=3, top_p=0.9))
   np.testing.assert_array_equal(out.tokens_BxN, [[4, 5, 6]])
 
 
@@ -127,7 +127,7 @@ def test_the_pallas_backend_is_handed_to_the_model_and_decodes_over_the_full_cac
   graphdef, params = _fake(log)
   prompt = jnp.array([[6], [9]], jnp.int32)
   out = generate(graphdef, params, prompt, prompt != PAD, jax.random.key(0), max_new_tokens=40, eos_id=EOS,
-                 pad_id=PAD, sampling=SamplingParams(temperature=0.0, attention_backend="pallas"))
+                 pad_id=PAD, sampling=GREEDY, attention_backend="pallas")
   jax.effects_barrier()
   np.testing.assert_array_equal(out.lengths_B, [8, 5])
   assert sorted(log.steps) == [(slot, 40) for slot in range(1, 8)]
@@ -174,15 +174,24 @@ def test_inverse_cdf_sampling_follows_the_distribution():
   assert freq[probs == 0].sum() == 0
 
 
-def test_invalid_sampling_params_are_refused():
+def test_invalid_sampling_settings_are_refused():
   with pytest.raises(ValueError, match="top_p"):
-    SamplingParams(top_p=0.0)
+    Strategy(top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
-    SamplingParams(temperature=-1.0)
+    Strategy(temperature=-1.0)
   with pytest.raises(ValueError, match="attention_backend"):
-    SamplingParams(attention_backend="triton")
-  assert SamplingParams().backend == "xla"  # "auto" on CPU
-  assert SamplingParams(attention_backend="pallas").backend == "pallas"
+    EngineSettings(attention_backend="triton")
+  assert EngineSettings().backend == "xla"  # "auto" on CPU
+  assert EngineSettings(attention_backend="pallas").backend == "pallas"
+
+
+def test_the_sampling_config_group_splits_into_a_strategy_and_engine_settings():
+  strategy, engine = engine_settings.from_config(dict(temperature=0.5, top_k=3, engine="continuous", chunk=4))
+  assert strategy == Strategy(temperature=0.5, top_k=3)
+  assert engine == EngineSettings(engine="continuous", chunk=4)
+  assert hash(strategy) == hash(Strategy(temperature=0.5, top_k=3))  # a static jit argument: one compile per value
+  with pytest.raises(ValueError, match=r"Unknown sampling config keys \['temprature'\]"):
+    engine_settings.from_config(dict(temprature=0.5))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -192,7 +201,7 @@ def test_generated_tokens_and_logprobs_match_full_forward(tiny, temperature):
   prompt = jnp.array([[PAD, PAD, 5, 6], [3, 4, 9, 7]], jnp.int32)
   valid = prompt != PAD
   out = generate(graphdef, params, prompt, valid, jax.random.key(2), max_new_tokens=14, eos_id=EOS, pad_id=PAD,
-                 sampling=SamplingParams(temperature=temperature))
+                 sampling=Strategy(temperature=temperature))
   seq = jnp.concatenate([prompt, out.tokens_BxN], axis=1)
   seq_valid = jnp.concatenate([valid, out.mask_BxN], axis=1)
   logits = sequence_logits(graphdef, params, seq, seq_valid)[:, 3:-1]  # logits that predicted each new token
@@ -210,7 +219,7 @@ def test_pallas_backend_gives_the_xla_tokens(tiny, temperature):
   graphdef, params = tiny
   prompt, valid = _group_prompts(0)
   outs = [generate(graphdef, params, prompt, valid, jax.random.key(3), max_new_tokens=12, eos_id=EOS, pad_id=PAD,
-                   sampling=SamplingParams(temperature=temperature, attention_backend=backend))
+                   sampling=Strategy(temperature=temperature), attention_backend=backend)
           for backend in ("xla", "pallas")]
   np.testing.assert_array_equal(outs[0].tokens_BxN, outs[1].tokens_BxN)
   np.testing.assert_array_equal(outs[0].mask_BxN, outs[1].mask_BxN)
@@ -252,7 +261,7 @@ def test_in_place_windows_give_the_copied_caches_tokens(tiny, in_place_generate,
   graphdef, params = tiny
   prompt, valid = _group_prompts(0)
   # No row stops (no token is V): every segment runs, windows of 8, 16, 32 and 43 slots.
-  kwargs = dict(max_new_tokens=40, eos_id=V, pad_id=PAD, sampling=SamplingParams(temperature=temperature))
+  kwargs = dict(max_new_tokens=40, eos_id=V, pad_id=PAD, sampling=Strategy(temperature=temperature))
   copied = generate(graphdef, params, prompt, valid, jax.random.key(3), **kwargs)
   in_place = in_place_generate(graphdef, params, prompt, valid, jax.random.key(3), **kwargs)
   np.testing.assert_array_equal(copied.tokens_BxN, in_place.tokens_BxN)
@@ -264,7 +273,7 @@ def test_group_prefix_sharing_matches_the_unshared_path(tiny):
   # 3 prompts x 2 samples at temperature 1: the same per-row random stream, so the same samples.
   graphdef, params = tiny
   prompt, valid = _group_prompts(1)
-  kwargs = dict(max_new_tokens=12, eos_id=EOS, pad_id=PAD, sampling=SamplingParams(temperature=1.0))
+  kwargs = dict(max_new_tokens=12, eos_id=EOS, pad_id=PAD, sampling=Strategy(temperature=1.0))
   unshared = generate(graphdef, params, prompt, valid, jax.random.key(4), **kwargs)
   shared = generate(graphdef, params, prompt, valid, jax.random.key(4), group_size=2, **kwargs)
   np.testing.assert_array_equal(shared.tokens_BxN, unshared.tokens_BxN)
@@ -277,7 +286,7 @@ def test_group_prefix_sharing_matches_the_unshared_path(tiny):
 
 def test_new_prompts_of_the_same_shape_do_not_recompile(tiny):
   graphdef, params = tiny
-  kwargs = dict(max_new_tokens=12, eos_id=EOS, pad_id=PAD, sampling=SamplingParams(temperature=1.0), group_size=2)
+  kwargs = dict(max_new_tokens=12, eos_id=EOS, pad_id=PAD, sampling=Strategy(temperature=1.0), group_size=2)
   jax.block_until_ready(generate(graphdef, params, *_group_prompts(5), jax.random.key(5), **kwargs))
   compiled = generate._cache_size()
   for seed in (6, 7):

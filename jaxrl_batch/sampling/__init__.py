@@ -2,7 +2,9 @@
 `benchmark` and `roofline` measure it."""
 from jaxrl_batch.sampling.continuous import EngineStats, generate_continuous
 from jaxrl_batch.sampling.engine import rollout, static_stats
+from jaxrl_batch.sampling.engine_settings import EngineSettings
 from jaxrl_batch.sampling.generate import Rollout, generate
-from jaxrl_batch.sampling.strategies import SamplingParams
+from jaxrl_batch.sampling.strategies import Strategy
 
-__all__ = ["EngineStats", "Rollout", "SamplingParams", "generate", "generate_continuous", "rollout", "static_stats"]
+__all__ = ["EngineSettings", "EngineStats", "Rollout", "Strategy", "generate", "generate_continuous", "rollout",
+           "static_stats"]

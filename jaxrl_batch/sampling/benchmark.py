@@ -22,7 +22,8 @@ from jaxrl_batch.sampling.continuous import EngineStats
 from jaxrl_batch.sampling.engine import rollout, static_stats
 from jaxrl_batch.sampling.generate import Rollout
 from jaxrl_batch.sampling.roofline import best_seconds, measure_machine, step_roofline
-from jaxrl_batch.sampling.strategies import SamplingParams
+from jaxrl_batch.sampling.engine_settings import EngineSettings, resolved_backend
+from jaxrl_batch.sampling.strategies import Strategy
 
 LOGNORMAL_SIGMA = 1.0  # of log-length: mean 128 puts ~0.5% of draws above 1024, the longest of 64 near 860
 MODES = ("static", "continuous", "paged")  # the engines, one record kind each (`_engine`)
@@ -58,7 +59,7 @@ class Settings:
   max_len: int = 0  # cache slots: prompt_len + token budget (0 = prompt_len + the longest response)
   group_size: int = 1  # rows per distinct prompt, prefilled once (generate's group_size)
   temperature: float = 0.0  # 0 = greedy
-  backend: str = "auto"  # SamplingParams.attention_backend
+  backend: str = "auto"  # EngineSettings.attention_backend
   compare_hf: bool = False  # also time transformers' generate (torch) on the same weights (new_tokens mode only)
   repeats: int = 3  # timed runs per measurement, the best kept
   bandwidth_mb: int = 512  # MiB, array of the bandwidth measurement
@@ -163,12 +164,12 @@ def _engine(s: Settings, mode: str, graphdef, params, eos_id: int, prompt_BxP: n
   prompt_BxP = jnp.asarray(prompt_BxP, jnp.int32)
   valid_BxP = jnp.ones_like(prompt_BxP, bool)
   paged = dict(engine="continuous", page_size=s.page_size, pages=s.pages) if mode == "paged" else dict(engine=mode)
-  sampling = SamplingParams(temperature=s.temperature, attention_backend=s.backend, chunk=s.chunk, **paged)
+  engine = EngineSettings(attention_backend=s.backend, chunk=s.chunk, **paged)
 
   def run(budget_B):
     return rollout(graphdef, params, prompt_BxP, valid_BxP, jax.random.key(s.seed), max_new_tokens=s.budget,
-                   eos_id=eos_id, pad_id=0, sampling=sampling, group_size=s.group_size, slots=slots,
-                   budget_B=budget_B)
+                   eos_id=eos_id, pad_id=0, sampling=Strategy(temperature=s.temperature), engine=engine,
+                   group_size=s.group_size, slots=slots, budget_B=budget_B)
 
   return run
 
@@ -209,12 +210,11 @@ def _partial_record(s: Settings, graphdef, params, eos_id: int, prompt_RxP: np.n
                     slots: int, live_len: float, rates: dict) -> dict:
   """The "partial" record of a point: `steady_state.run` over its requests (one run to compile, one timed), its
   decode speed and useful_token_frac over the steady-state steps, and the roofline of the point's other records."""
-  sampling = SamplingParams(temperature=s.temperature, attention_backend=s.backend, engine="continuous",
-                            chunk=s.chunk)
+  engine = EngineSettings(attention_backend=s.backend, engine="continuous", chunk=s.chunk)
   def run():
     return steady_state.run(graphdef, params, prompt_RxP.astype(np.int32), np.ones_like(prompt_RxP, bool),
-                            lengths_R.astype(np.int32), jax.random.key(s.seed), sampling=sampling, slots=slots,
-                            partial_budget=s.partial_budget, eos_id=eos_id, pad_id=0)
+                            lengths_R.astype(np.int32), jax.random.key(s.seed), sampling=Strategy(s.temperature),
+                            engine=engine, slots=slots, partial_budget=s.partial_budget, eos_id=eos_id, pad_id=0)
   run()
   out = run()
   if not out.steps:
@@ -425,7 +425,7 @@ def sweep(s: Settings) -> Iterator[dict]:
   bench, eos_id = _bench_model(s, graphdef, params)
   machine = measure_machine(s.dtype, s.bandwidth_mb, s.matmul_size)
   hf_runner = _hf_runner(s, cfg, params)
-  report = dict(settings=dataclasses.asdict(s), backend=SamplingParams(attention_backend=s.backend).backend,
+  report = dict(settings=dataclasses.asdict(s), backend=resolved_backend(s.backend),
                 device=str(jax.devices()[0]), load_avg=os.getloadavg(), num_params=cfg.num_params(),
                 num_active_params=cfg.num_params(active=True), machine=machine, results=[])
   for requests, slots in s.points():

@@ -21,10 +21,11 @@ from flax import nnx
 from jaxrl_batch.model import DecodeSpan, KVCache, PagedKVCache, cache_mask, positions_from_valid
 from jaxrl_batch.model.moe import stacked_experts
 from jaxrl_batch.runtime import transfer
+from jaxrl_batch.sampling.engine_settings import EngineSettings, resolved_backend
 from jaxrl_batch.sampling.generate import Rollout, cache_buckets, recorded_experts
 from jaxrl_batch.sampling.pages import PageTable
 from jaxrl_batch.sampling.scheduler import EVICT, Plan, Scheduler
-from jaxrl_batch.sampling.strategies import SamplingParams, choose
+from jaxrl_batch.sampling.strategies import Strategy, choose
 
 
 class _Prefix(NamedTuple):
@@ -226,7 +227,7 @@ def _table(cache: PagedKVCache, prefix: _Prefix, prompt_S, own_SxM) -> jax.Array
 
 
 def _admit(state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key, *, eos_id: int,
-           sampling: SamplingParams):
+           sampling: Strategy):
   """Slots with admit_S >= 0 take that new request: its prompt's prefix and its first token; slots with admit_S ==
   EVICT stop (preempted: their request keeps its tokens so far)."""
   s, r = admit_S.shape[0], requests.budget_R.shape[0]
@@ -291,13 +292,16 @@ def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, 
                 jnp.where(resumed_S, p - length_S, state.start_S), state.live_S | resumed_S)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "eos_id", "sampling"), donate_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "eos_id", "sampling", "attention_backend"),
+                   donate_argnums=(2, 3))
 def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key,
-           own_SxM=None, *, steps: int, eos_id: int, sampling: SamplingParams):
+           own_SxM=None, *, steps: int, eos_id: int, sampling: Strategy, attention_backend: str):
   """Admits `admit_S` (a paged cache's slots then hold own pages `own_SxM`), then runs up to `steps` decode steps
-  of the live slots. Returns (state, outputs, steps run, tokens decoded), the last two int32 scalars. The program
-  the host runs per chunk (`train.aot` compiles it: programs `decode` and `eval`)."""
+  of the live slots, choosing tokens by `sampling` (`attention_backend` as `EngineSettings`'). Returns (state,
+  outputs, steps run, tokens decoded), the last two int32 scalars. The program the host runs per chunk
+  (`train.aot` compiles it: programs `decode` and `eval`)."""
   model = nnx.merge(graphdef, params)
+  backend = resolved_backend(attention_backend)
   state, outputs = jax.lax.cond(
       jnp.any(admit_S != -1), functools.partial(_admit, eos_id=eos_id, sampling=sampling),
       lambda state, outputs, *_: (state, outputs), state, outputs, prefix, requests, admit_S, key)
@@ -311,7 +315,7 @@ def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, r
     slot_S = jnp.where(c.live_S, p + c.count_S - 1, c.cache.idle_slot)  # a finished or free slot writes harmlessly
     span = DecodeSpan(c.start_S, jnp.where(c.live_S, slot_S + 1, 0))  # and reads nothing
     logits_Sx1xV, cache, experts_Sx1xLxK = model.step(c.token_S[:, None], c.position_S[:, None], span, c.cache,
-                                                      slot_S, decode_backend=sampling.backend)
+                                                      slot_S, decode_backend=backend)
     request_S = jnp.minimum(c.request_S, r - 1)
     token_S, logp_S = choose(logits_Sx1xV[:, 0], _row_keys(key, requests.uid_R[request_S], c.count_S), sampling)
     written_S = jnp.where(c.live_S, c.request_S, r)
@@ -370,13 +374,13 @@ def _width(needed: int, full: int, backend: str) -> int:
   return full if backend == "pallas" else min(1 << max(needed - 1, 0).bit_length(), full)
 
 
-def _page_table(sampling: SamplingParams, slots: int, prompts: int, prompt_len: int, max_new_tokens: int
+def _page_table(engine: EngineSettings, slots: int, prompts: int, prompt_len: int, max_new_tokens: int
                 ) -> PageTable:
   """The own pages of a paged cache's slots: sampling.pages (0 = every slot at the longest length) after the
   prompts' pages. Raises ValueError if the pool cannot hold one sequence."""
-  c, n = sampling.page_size, max_new_tokens
+  c, n = engine.page_size, max_new_tokens
   own_full = -(-(n - 1) // c)  # own pages of a sequence at the longest length
-  pool = sampling.pages or slots * own_full
+  pool = engine.pages or slots * own_full
   if pool < own_full:
     raise ValueError(f"sampling.pages={pool} cannot hold one sequence: {n - 1} tokens take {own_full} pages of "
                      f"{c} slots. Raise sampling.pages to at least {own_full}.")
@@ -389,12 +393,12 @@ class _Run:
   `pages` is the page table the scheduler fills and each chunk lays out."""
 
   def __init__(self, graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, rng, *, eos_id: int,
-               sampling: SamplingParams, slots: int, row_sharding):
+               sampling: Strategy, engine: EngineSettings, slots: int, row_sharding):
     self.graphdef, self.params, self.requests, self.rng = graphdef, params, requests, rng
-    self.eos_id, self.sampling, self.n = eos_id, sampling, requests.tokens_RxN.shape[1]
+    self.eos_id, self.sampling, self.engine, self.n = eos_id, sampling, engine, requests.tokens_RxN.shape[1]
     self.chunks = self.slot_steps = self.decoded = 0
     self.reprefill_s = 0.0
-    c = sampling.page_size
+    c = engine.page_size
     if c:
       if row_sharding is not None and len(row_sharding(1).device_set) > 1:
         raise ValueError("sampling.page_size > 0 (a paged KV cache) runs on one device per rollout for now: shard "
@@ -404,11 +408,11 @@ class _Run:
     self.prefix = _prefill(graphdef, params, prompt_QxP, prompt_valid_QxP)
     layers, moe = len(self.prefix.cache.k_layers), self.prefix.experts_QxPxLxK is not None
     if c:
-      self.pages = _page_table(sampling, slots, prompt_QxP.shape[0], self.p, self.n)
+      self.pages = _page_table(engine, slots, prompt_QxP.shape[0], self.p, self.n)
       self.state, self.outputs = _starter(slots, 0, layers, None, self.pages.pages, c, moe)(self.prefix, requests)
       self.prefix = self.prefix._replace(cache=None)
     else:
-      self.pages, self.buckets = None, cache_buckets(self.p, self.n, sampling.backend)
+      self.pages, self.buckets = None, cache_buckets(self.p, self.n, engine.backend)
       self.state, self.outputs = _starter(slots, self.buckets[0], layers, row_sharding, moe=moe)(self.prefix, requests)
 
   def _laid_out(self, plan: Plan, fed: int):
@@ -417,8 +421,8 @@ class _Run:
     if self.pages is not None:
       full = -(-(self.n - 1) // self.pages.page_size)
       return self.pages.rows(_width(max(self.pages.widest, -(-fed // self.pages.page_size)), full,
-                                    self.sampling.backend))
-    needed = min(max(self.p + plan.longest + self.sampling.chunk - 1, self.p + fed), self.buckets[-1])
+                                    self.engine.backend))
+    needed = min(max(self.p + plan.longest + self.engine.chunk - 1, self.p + fed), self.buckets[-1])
     size = next(size for size in self.buckets if size >= needed)
     if size != self.state.cache.length:
       self.state = self.state._replace(cache=_resized(self.state.cache, size))
@@ -438,7 +442,8 @@ class _Run:
       self.reprefill_s += time.perf_counter() - t0
     self.state, self.outputs, steps, tokens = _chunk(
         self.graphdef, self.params, self.state, self.outputs, self.prefix, self.requests, admit_S, self.rng, own_SxM,
-        steps=self.sampling.chunk, eos_id=self.eos_id, sampling=self.sampling)
+        steps=self.engine.chunk, eos_id=self.eos_id, sampling=self.sampling,
+        attention_backend=self.engine.attention_backend)
     live_S, steps, tokens = transfer.to_host("slots", (self.state.live_S, steps, tokens))
     self.chunks, self.decoded = self.chunks + 1, self.decoded + int(tokens)
     self.slot_steps += len(plan.admit_S) * int(steps)
@@ -446,12 +451,14 @@ class _Run:
 
 
 def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, held_R, order, rng, *, eos_id: int,
-           sampling: SamplingParams, slots: int, stop=None, row_sharding=None, on_ended=None) -> Decoded:
-  """Decodes `requests` (device) on `slots` slots, admitting them in `order` (host request indices). Requests
-  with held_R > 0 (host int (R,), the lengths of `requests`) hold a partial sequence: they queue first and are
-  re-prefilled under `params` as they take slots; the new ones take slots as slots free. Runs until every request
-  in `order` ends, or until `stop(ended_R, decode_steps)` (a host predicate on the bool (R,) ended requests and
-  the decode steps run so far, asked after each chunk) is true; requests then started keep their tokens so far.
+           sampling: Strategy, engine: EngineSettings, slots: int, stop=None, row_sharding=None,
+           on_ended=None) -> Decoded:
+  """Decodes `requests` (device) by `sampling` on `slots` slots, in chunks of `engine.chunk` decode steps,
+  admitting them in `order` (host request indices). Requests with held_R > 0 (host int (R,), the lengths of
+  `requests`) hold a partial sequence: they queue first and are re-prefilled under `params` as they take slots;
+  the new ones take slots as slots free. Runs until every request in `order` ends, or until `stop(ended_R,
+  decode_steps)` (a host predicate on the bool (R,) ended requests and the decode steps run so far, asked after
+  each chunk) is true; requests then started keep their tokens so far.
   `on_ended(outputs, ended)`, if given, is called after each chunk in which requests ended, with the device outputs
   and their host indices (at most `slots`), before the next chunk is dispatched (e.g. to score them meanwhile).
 
@@ -460,8 +467,8 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
   sampling.pages (0 = enough for every slot at the longest length) a chunk ahead; when the pool runs short the
   scheduler preempts (`scheduler.Scheduler`)."""
   run = _Run(graphdef, params, prompt_QxP, prompt_valid_QxP, requests, rng, eos_id=eos_id, sampling=sampling,
-             slots=slots, row_sharding=row_sharding)
-  scheduler = Scheduler(slots=slots, order=order, held_R=held_R, chunk=sampling.chunk, max_new_tokens=run.n,
+             engine=engine, slots=slots, row_sharding=row_sharding)
+  scheduler = Scheduler(slots=slots, order=order, held_R=held_R, chunk=engine.chunk, max_new_tokens=run.n,
                         pages=run.pages)
   while scheduler.pending:
     ended = scheduler.finish(*run.chunk(scheduler.plan()))
@@ -475,10 +482,11 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
 
 
 def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
-                        pad_id: int, sampling: SamplingParams, group_size: int = 1, slots: int = 0,
-                        budget_B=None, row_sharding=None, on_ended=None) -> tuple[Rollout, EngineStats]:
+                        pad_id: int, sampling: Strategy, engine: EngineSettings, group_size: int = 1,
+                        slots: int = 0, budget_B=None, row_sharding=None, on_ended=None
+                        ) -> tuple[Rollout, EngineStats]:
   """`generate`'s rollout of the B left-padded requests (groups of `group_size` rows sharing a prompt, prefilled
-  once), decoded on `slots` slots (0 = B) in chunks of `sampling.chunk` steps; see the module docstring.
+  once), decoded on `slots` slots (0 = B) in chunks of `engine.chunk` steps; see the module docstring.
 
   budget_B: optional int (B,) device array, each request's token budget (<= max_new_tokens; default max_new_tokens).
   row_sharding: optional hashable function ndim -> sharding of the slot and request arrays along their leading
@@ -493,7 +501,8 @@ def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, 
   requests = new_requests(b, group_size=g, max_new_tokens=n, pad_id=pad_id, budget_B=budget_B,
                           row_sharding=row_sharding)
   out = decode(graphdef, params, prompt_BxP[::g], prompt_valid_BxP[::g], requests, np.zeros(b, np.int64), range(b),
-               rng, eos_id=eos_id, sampling=sampling, slots=slots or b, row_sharding=row_sharding, on_ended=on_ended)
+               rng, eos_id=eos_id, sampling=sampling, engine=engine, slots=slots or b, row_sharding=row_sharding,
+               on_ended=on_ended)
   prompt_experts = out.prompt_experts_QxPxLxK
   if prompt_experts is not None:  # request r's prompt is r // g; a paged cache's padding is on the left
     prompt_experts = _request_prompt_experts(prompt_experts, p=prompt_BxP.shape[1], group_size=g)

@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxrl_batch.sampling.continuous import EngineStats, generate_continuous
 from jaxrl_batch.sampling.generate import Rollout, generate
-from jaxrl_batch.sampling.strategies import SamplingParams
+from jaxrl_batch.sampling.engine_settings import EngineSettings
+from jaxrl_batch.sampling.strategies import Strategy
 
 
 def static_stats(lengths_B: np.ndarray, block: int) -> EngineStats:
@@ -28,10 +29,11 @@ def static_stats(lengths_B: np.ndarray, block: int) -> EngineStats:
 
 
 def rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int, pad_id: int,
-            sampling: SamplingParams, group_size: int = 1, slots: int = 0, budget_B=None, row_sharding=None,
-            on_ended=None) -> tuple[Rollout, EngineStats | None]:
-  """The B requests' Rollout by `sampling.engine` on `slots` slots (0 = B), and the continuous engine's
-  EngineStats (None for the static engine: its figures need the lengths on the host, `static_stats`).
+            sampling: Strategy, engine: EngineSettings, group_size: int = 1, slots: int = 0, budget_B=None,
+            row_sharding=None, on_ended=None) -> tuple[Rollout, EngineStats | None]:
+  """The B requests' Rollout, tokens chosen by `sampling`, decoded by `engine.engine` on `slots` slots (0 = B),
+  and the continuous engine's EngineStats (None for the static engine: its figures need the lengths on the host,
+  `static_stats`).
 
   `slots` must be a multiple of group_size for the static engine (its blocks hold whole groups). budget_B and
   row_sharding as `generate_continuous`'s; `on_ended` too (the continuous engine's requests as they end; the static
@@ -39,9 +41,10 @@ def rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_toke
   """
   kwargs = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, sampling=sampling,
                 group_size=group_size)
-  if sampling.engine == "continuous":
-    return generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, slots=slots, budget_B=budget_B,
-                               row_sharding=row_sharding, on_ended=on_ended, **kwargs)
+  if engine.engine == "continuous":
+    return generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, engine=engine, slots=slots,
+                               budget_B=budget_B, row_sharding=row_sharding, on_ended=on_ended, **kwargs)
+  kwargs["attention_backend"] = engine.attention_backend
   b = prompt_BxP.shape[0]
   block = slots or b
   if block >= b:

@@ -18,7 +18,8 @@ from flax import nnx
 from jaxrl_batch.kernels.platform import current_platform
 from jaxrl_batch.model import DecodeSpan, KVCache, cache_mask, positions_from_valid
 from jaxrl_batch.model.moe import stacked_experts
-from jaxrl_batch.sampling.strategies import SamplingParams, choose
+from jaxrl_batch.sampling.engine_settings import resolved_backend
+from jaxrl_batch.sampling.strategies import Strategy, choose
 
 
 class Rollout(NamedTuple):
@@ -103,7 +104,7 @@ def _prefilled(model, prompt_BxP, prompt_valid_BxP, *, group_size: int, length: 
 
 
 def _decoded(model, carry: _Carry, starts_B, budget_B, *, buckets: tuple[int, ...], in_place: bool, eos_id: int,
-             pad_id: int, sampling: SamplingParams):
+             pad_id: int, sampling: Strategy, backend: str):
   """Runs the decode segments from `carry` (see the module docstring): segment i takes the steps whose slot fits
   the window buckets[i], then, unless every row has stopped, the later segments. Returns (steps run + 1,
   tokens_BxN, logprobs_BxN, experts_BxNxLxK)."""
@@ -114,7 +115,7 @@ def _decoded(model, carry: _Carry, starts_B, budget_B, *, buckets: tuple[int, ..
     slot = p + c.step - 1  # cache slot of the previous token, fed now
     span = DecodeSpan(starts_B, jnp.full((b,), slot + 1), window)
     logits_Bx1xV, cache, experts_Bx1xLxK = model.step(c.token_B[:, None], c.position_B[:, None], span, c.cache,
-                                                      slot, decode_backend=sampling.backend)
+                                                      slot, decode_backend=backend)
     rng, step_rng = jax.random.split(c.rng)
     token_B, logp_B = choose(logits_Bx1xV[:, 0], step_rng, sampling)
     token_B = jnp.where(c.done_B, pad_id, token_B)
@@ -166,11 +167,13 @@ def _rollout(steps, tokens_BxN, logprobs_BxN, experts_BxNxLxK, budget_B, prompt_
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
-                                             "group_size"))
+                                             "group_size", "attention_backend"))
 def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
-             pad_id: int, sampling: SamplingParams, group_size: int = 1, budget_B=None) -> Rollout:
-  """Samples up to `max_new_tokens` tokens after each left-padded prompt; stops each row at EOS, or at its own
-  token budget `budget_B` (optional int (B,), <= max_new_tokens).
+             pad_id: int, sampling: Strategy, group_size: int = 1, budget_B=None,
+             attention_backend: str = "auto") -> Rollout:
+  """Samples up to `max_new_tokens` tokens after each left-padded prompt by `sampling`; stops each row at EOS, or
+  at its own token budget `budget_B` (optional int (B,), <= max_new_tokens). `attention_backend` as
+  `EngineSettings.attention_backend`'s.
 
   The loop ends as soon as every row has produced EOS, and each step reads a cache sized to the live length (see
   the module docstring), so the cost follows the tokens generated. `group_size` > 1 promises that consecutive
@@ -183,7 +186,8 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
     raise ValueError(f"max_new_tokens must be >= 1, got {n}.")
   if g < 1 or b % g:
     raise ValueError(f"group_size={g} must divide the batch of {b} prompts.")
-  buckets = cache_buckets(p, n, sampling.backend)
+  backend = resolved_backend(attention_backend)
+  buckets = cache_buckets(p, n, backend)
   cache, logits_GxV, prompt_experts = _prefilled(model, prompt_BxP, prompt_valid_BxP, group_size=g,
                                                  length=buckets[0])
   in_place = grows_in_place()
@@ -205,5 +209,5 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
                                                                    jnp.int16),
       rng=rng)
   decoded = _decoded(model, carry, starts_B, budget_B, buckets=buckets, in_place=in_place, eos_id=eos_id,
-                     pad_id=pad_id, sampling=sampling)
+                     pad_id=pad_id, sampling=sampling, backend=backend)
   return _rollout(*decoded, budget_B, prompt_experts, prompt_valid_BxP, eos_id=eos_id, pad_id=pad_id)

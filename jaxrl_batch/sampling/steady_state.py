@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_batch.sampling import continuous
+from jaxrl_batch.sampling.engine_settings import EngineSettings
+from jaxrl_batch.sampling.strategies import Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +41,8 @@ class SteadyState:
     return self.decoded / max(self.seconds, 1e-9)
 
 
-def run(graphdef, params, prompt_RxP, valid_RxP, budget_R: np.ndarray, rng, *, sampling, slots: int,
-        partial_budget: int, eos_id: int, pad_id: int) -> SteadyState:
+def run(graphdef, params, prompt_RxP, valid_RxP, budget_R: np.ndarray, rng, *, sampling: Strategy,
+        engine: EngineSettings, slots: int, partial_budget: int, eos_id: int, pad_id: int) -> SteadyState:
   """Emulates partial rollouts over the R requests (one sample per prompt; host budgets `budget_R`, the token
   budget of each). Each step's request table holds the carried sequences and the next 2 x slots x
   ceil(partial_budget / mean budget) + slots requests of the stream (fixed shapes: one compile)."""
@@ -67,7 +69,7 @@ def run(graphdef, params, prompt_RxP, valid_RxP, budget_R: np.ndarray, rng, *, s
     jax.block_until_ready((requests, prompt_TxP))
     t0 = time.perf_counter()
     out = continuous.decode(graphdef, params, prompt_TxP, valid_TxP, requests, held_T, range(len(rows)), rng,
-                            eos_id=eos_id, sampling=sampling, slots=slots,
+                            eos_id=eos_id, sampling=sampling, engine=engine, slots=slots,
                             stop=lambda ended_T, decode_steps: decode_steps >= partial_budget)
     tokens_TxN, logps_TxN = (np.asarray(x) for x in jax.block_until_ready(out.outputs[:2]))
     elapsed = time.perf_counter() - t0

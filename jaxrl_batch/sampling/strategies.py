@@ -4,50 +4,26 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl_batch.kernels.decode_attention import BACKENDS, default_backend
-
 _NEG_INF = -1e30
 # Passes over the vocabulary go by chunks of _CHUNK tokens: one vectorised reduction per chunk, then work within
 # one chunk per row. XLA's CPU argmax (a (value, index) reduction) and cumsum over 32k tokens are 10-30x slower.
 _CHUNK = 128
-ENGINES = ("static", "continuous")
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """How the next token is chosen.
+class Strategy:
+  """How the next token is chosen; hashable, the static argument of `choose` and of the engines' programs. How
+  the engine runs (`engine_settings.EngineSettings`) is apart: the same strategy gives the same tokens on each.
 
   Attributes:
     temperature: softmax temperature; 0 means greedy (argmax).
     top_k: keep only the k most likely tokens (0 = off).
     top_p: nucleus sampling, keep the smallest set with probability >= top_p (1.0 = off).
-    attention_backend: the `kernels.decode_attention` backend of a decode step: "xla" (every slot of a cache
-      grown in power-of-two buckets, masked to the live span), "pallas" (the kernel, reading only the live span of
-      the full cache; interpret mode on CPU, for tests only; no TPU form yet) or "auto" (`kernels.default_backend()`:
-      pallas on GPU, else xla; TPU uses xla until a Mosaic form of the kernel exists). Tokens do not depend on it
-      beyond rounding.
-    engine: how a batch of requests is decoded (`sampling.engine`): "static", one block of all rows run to its
-      longest response (`generate`), or "continuous", `slots` sequences in flight per device, a finished one's slot
-      taking the next request (`continuous.generate_continuous`).
-    slots: sequences decoding at once per device under the continuous engine (0 = every request of the batch).
-    chunk: decode steps of the continuous engine between two host syncs (one small transfer each way).
-    page_size: > 0 pages the continuous engine's KV cache (`model.PagedKVCache`) in pages of this many slots:
-      sequences hold pages as they grow and a prompt's samples share its pages, so more slots fit the memory of
-      the slot cache (0 = a slot cache of the longest length per slot). One device per rollout.
-    pages: the paged cache's pool, in pages per device (0 = enough for every slot at the longest length: never
-      short). A smaller pool holds what the sequences use; when it runs short the latest started sequences are
-      preempted and re-prefilled later (`EngineStats.preempted`).
   """
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
-  attention_backend: str = "auto"
-  engine: str = "static"
-  slots: int = 0
-  chunk: int = 16
-  page_size: int = 0
-  pages: int = 0
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -56,30 +32,10 @@ class SamplingParams:
       raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}.")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"sampling.top_p must be in (0, 1] (1 = off), got {self.top_p}.")
-    if self.attention_backend not in ("auto",) + BACKENDS:
-      raise ValueError(f"sampling.attention_backend must be 'auto' or one of {BACKENDS}, got "
-                       f"{self.attention_backend!r}.")
-    if self.engine not in ENGINES:
-      raise ValueError(f"sampling.engine must be one of {ENGINES}, got {self.engine!r}.")
-    if self.slots < 0:
-      raise ValueError(f"sampling.slots must be >= 0 (0 = every request at once), got {self.slots}.")
-    if self.chunk < 1:
-      raise ValueError(f"sampling.chunk must be >= 1 decode step, got {self.chunk}.")
-    if self.page_size < 0 or self.pages < 0:
-      raise ValueError(f"sampling.page_size ({self.page_size}) and sampling.pages ({self.pages}) must be >= 0 "
-                       "(0 = the slot cache; 0 pages = enough for every slot).")
-    if self.page_size and self.engine != "continuous":
-      raise ValueError(f"sampling.page_size={self.page_size} pages the continuous engine's cache: set "
-                       "sampling.engine='continuous' (or sampling.page_size=0).")
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
-
-  @property
-  def backend(self) -> str:
-    """The decode attention backend, "auto" resolved for the default JAX platform."""
-    return default_backend() if self.attention_backend == "auto" else self.attention_backend
 
 
 def scaled_log_probs(logits_BxV: jax.Array, temperature: float) -> jax.Array:
@@ -149,15 +105,15 @@ def sample(logp_BxV: jax.Array, rng: jax.Array) -> jax.Array:
   return chunk_B * _CHUNK + jnp.minimum(jnp.sum(cum_BxW <= u_Bx1, axis=-1), _last_positive(p_BxW))
 
 
-def choose(logits_BxV: jax.Array, rng: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+def choose(logits_BxV: jax.Array, rng: jax.Array, strategy: Strategy) -> tuple[jax.Array, jax.Array]:
   """Next token and its log-prob under softmax(logits / T) (before truncation); `rng` as `sample`'s. Returns
   (token_B, logp_B)."""
-  if params.greedy:
+  if strategy.greedy:
     logits_BxV = logits_BxV.astype(jnp.float32)
     token_B = argmax(logits_BxV)
     chosen_B = jnp.take_along_axis(logits_BxV, token_B[:, None], axis=-1)[:, 0]
     return token_B.astype(jnp.int32), chosen_B - jax.nn.logsumexp(logits_BxV, axis=-1)
-  logp_BxV = scaled_log_probs(logits_BxV, params.temperature)
-  token_B = sample(truncate(logp_BxV, params.top_k, params.top_p), rng)
+  logp_BxV = scaled_log_probs(logits_BxV, strategy.temperature)
+  token_B = sample(truncate(logp_BxV, strategy.top_k, strategy.top_p), rng)
   logp_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
   return token_B.astype(jnp.int32), logp_B

@@ -61,7 +61,7 @@ from jaxrl_batch.rl import critic as critic_lib
 from jaxrl_batch.rl import forward, learner, update
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.runtime import sharding, topologies
-from jaxrl_batch.sampling import SamplingParams, continuous, generate
+from jaxrl_batch.sampling import EngineSettings, Strategy, continuous, generate
 from jaxrl_batch.sampling.generate import cache_buckets
 from jaxrl_batch.train import collector, evaluation, partial
 from jaxrl_batch.train.setup import Experiment, packing_for
@@ -336,19 +336,19 @@ def _forward_shape(step: _Step, rows: int) -> str:
 
 def _program_rollout(step: _Step):
   exp, m = step.exp, step.exp.member
-  sampling, config = exp.sampling, exp.config
+  engine, config = exp.engine, exp.config
   elsewhere = _generator_elsewhere(config)
   if elsewhere:
     return elsewhere
   if _partial(config):
     return "rollout.partial: the continuous engine's programs run (prefill, decode, reprefill)"
-  if sampling.engine != "static":
-    return f"sampling.engine={sampling.engine!r}: its programs are prefill and decode"
-  slots = sampling.slots * sharding.data_parallel_size(exp.mesh)
+  if engine.engine != "static":
+    return f"sampling.engine={engine.engine!r}: its programs are prefill and decode"
+  slots = engine.slots * sharding.data_parallel_size(exp.mesh)
   rows = slots if slots and slots < m.batch_size else m.batch_size
   eos_id, pad_id = _stop_ids(exp)
-  kwargs = dict(max_new_tokens=exp.response_len, eos_id=eos_id, pad_id=pad_id, sampling=sampling,
-                group_size=m.group_size)
+  kwargs = dict(max_new_tokens=exp.response_len, eos_id=eos_id, pad_id=pad_id, sampling=exp.strategy,
+                group_size=m.group_size, attention_backend=engine.attention_backend)
   prompts = (step.rows((rows, exp.prompt_len), jnp.int32), step.rows((rows, exp.prompt_len), bool))
   if rows == m.batch_size:  # One block of all rows: the collector's own program.
     fn = collector._sample  # pylint: disable=protected-access
@@ -422,10 +422,12 @@ def _eval_rows(step: _Step) -> int | str:
 @dataclasses.dataclass(frozen=True)
 class _Call:
   """One call of the continuous engine (`continuous.decode`) as the trainer makes it: `prompts` (Q) prompt rows
-  prefilled, `requests` (R) decoded on `slots` (S, all chips) with `sampling`, groups of `group_size` requests
-  sharing a prompt; `carried`: partial rollouts (`train.partial`: prompts uploaded replicated, sequences carried)."""
+  prefilled, `requests` (R) decoded on `slots` (S, all chips) by `sampling` with `engine`, groups of `group_size`
+  requests sharing a prompt; `carried`: partial rollouts (`train.partial`: prompts uploaded replicated, sequences
+  carried)."""
   what: str
-  sampling: SamplingParams
+  sampling: Strategy
+  engine: EngineSettings
   prompts: int
   requests: int
   slots: int
@@ -443,25 +445,27 @@ def _engine_call(step: _Step, evaluating: bool) -> _Call | str:
     if isinstance(rows, str):
       return rows
     engine = evaluation.engine_for(exp, evaluation.EvalConfig.from_config(config))
-    call = _Call("the evaluation's greedy pass", dataclasses.replace(engine, temperature=0.0), rows, rows,
-                 engine.slots or rows, 1, False)
+    call = _Call("the evaluation's greedy pass", Strategy(temperature=0.0), engine, rows, rows, engine.slots or rows,
+                 1, False)
   else:
     elsewhere = _generator_elsewhere(config)
     if elsewhere:
       return elsewhere
-    slots = exp.sampling.slots * dp or m.batch_size
+    engine = exp.engine
+    slots = engine.slots * dp or m.batch_size
     if _partial(config):
       requests, prompts = partial.capacity(slots, m.batch_size, m.num_prompts, config.rollout.max_lookahead)
-      call = _Call("partial rollouts", exp.sampling, prompts, requests, slots, m.group_size, True)
+      call = _Call("partial rollouts", exp.strategy, engine, prompts, requests, slots, m.group_size, True)
     else:
-      call = _Call("the step's rollout", exp.sampling, m.num_prompts, m.batch_size, slots, m.group_size, False)
-  if call.sampling.engine != "continuous":
+      call = _Call("the step's rollout", exp.strategy, engine, m.num_prompts, m.batch_size, slots, m.group_size,
+                   False)
+  if call.engine.engine != "continuous":
     if call.carried:
       return "rollout.partial needs sampling.engine='continuous' (the trainer refuses this config)"
-    return (f"sampling.engine={call.sampling.engine!r}: the {'evaluation' if evaluating else 'rollout'} is one "
+    return (f"sampling.engine={call.engine.engine!r}: the {'evaluation' if evaluating else 'rollout'} is one "
             f"program, `{'eval' if evaluating else 'rollout'}`")
-  if call.sampling.page_size and exp.mesh.size > 1:
-    return (f"sampling.page_size={call.sampling.page_size} (a paged KV cache) decodes on one device: the trainer "
+  if call.engine.page_size and exp.mesh.size > 1:
+    return (f"sampling.page_size={call.engine.page_size} (a paged KV cache) decodes on one device: the trainer "
             f"refuses this mesh of {exp.mesh.size} chips")
   return call
 
@@ -480,7 +484,7 @@ def _laid_out(step: _Step, fn, *args, **kwargs):
 
 def _engine_prompts(step: _Step, call: _Call):
   """(prompt_QxP, valid_QxP, requests) as `continuous.decode` receives them; a str where they cannot be laid out."""
-  exp, c = step.exp, call.sampling.page_size
+  exp, c = step.exp, call.engine.page_size
   p = exp.prompt_len + (-exp.prompt_len % c if c else 0)  # A paged cache's prompts are left-padded to whole pages.
   rows = functools.partial(sharding.batch_sharding, exp.mesh)
   if call.carried:  # `PartialCollector` uploads the call's prompt rows replicated.
@@ -516,17 +520,17 @@ def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
   if isinstance(prompts, str):
     step.memo[key] = prompts
     return prompts
-  exp, sampling = step.exp, call.sampling
+  exp, engine = step.exp, call.engine
   prompt_QxP, valid_QxP, requests = prompts
   prefix = _laid_out(step, continuous._prefill, step.models.graphdef, step.state["params"], prompt_QxP, valid_QxP)
   if isinstance(prefix, str):
     step.memo[key] = prefix
     return prefix
   layers, moe = len(prefix.cache.k_layers), prefix.experts_QxPxLxK is not None
-  n, c, s, p = exp.response_len, sampling.page_size, call.slots, prompt_QxP.shape[1]
+  n, c, s, p = exp.response_len, engine.page_size, call.slots, prompt_QxP.shape[1]
   if c:
     own = -(-(n - 1) // c)  # Own pages of a sequence at the longest length.
-    pool, length = sampling.pages or s * own, 0
+    pool, length = engine.pages or s * own, 0
     if pool < own:
       step.memo[key] = f"sampling.pages={pool} cannot hold one sequence of {n - 1} tokens: the engine refuses it"
       return step.memo[key]
@@ -534,7 +538,7 @@ def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
   else:
     own = pool = 0
     with jax.set_mesh(exp.mesh):  # "auto" stands for the backend of the mesh's chips.
-      length = cache_buckets(p, n, sampling.backend)[-1]
+      length = cache_buckets(p, n, engine.backend)[-1]
     start = continuous._starter(s, length, layers, functools.partial(sharding.batch_sharding, exp.mesh), moe=moe)
   started = _laid_out(step, start, prefix, requests)
   if isinstance(started, str):
@@ -551,14 +555,14 @@ def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
 
 def _engine_shape(step: _Step, inputs: dict) -> str:
   call, p = inputs["call"], step.exp.prompt_len
-  c = call.sampling.page_size
+  c = call.engine.page_size
   if c:
     cache = (f"a paged cache of {inputs['pool']} pages of {c} positions (+ {call.prompts * -(-p // c)} prompt pages "
              "and the trash page)")
   else:
     cache = f"a slot cache of {inputs['length']} positions"
   return (f"{call.what}: {call.slots} slots, {cache}, {call.requests} requests of up to {step.exp.response_len} "
-          f"tokens, chunks of {call.sampling.chunk} decode steps")
+          f"tokens, chunks of {call.engine.chunk} decode steps")
 
 
 def _program_prefill(step: _Step, evaluating: bool = False):
@@ -578,10 +582,11 @@ def _program_decode(step: _Step, evaluating: bool = False):
   inputs = _engine_inputs(step, evaluating)
   if isinstance(inputs, str):
     return inputs
-  sampling = inputs["call"].sampling
+  call = inputs["call"]
   args = (step.models.graphdef, step.state["params"], inputs["state"], inputs["outputs"], inputs["prefix"],
           inputs["requests"], inputs["slots_S"], inputs["key"], inputs["own_SxM"])
-  kwargs = dict(steps=sampling.chunk, eos_id=_stop_ids(step.exp)[0], sampling=sampling)
+  kwargs = dict(steps=call.engine.chunk, eos_id=_stop_ids(step.exp)[0], sampling=call.sampling,
+                attention_backend=call.engine.attention_backend)
   return continuous._chunk, args, kwargs, _rollout_resident(step), _engine_shape(step, inputs)
 
 
@@ -590,7 +595,7 @@ def _program_reprefill(step: _Step):
   call = _engine_call(step, False)
   if isinstance(call, str):
     return call
-  n, c, pages = exp.response_len, call.sampling.page_size, call.sampling.pages
+  n, c, pages = exp.response_len, call.engine.page_size, call.engine.pages
   short = c and pages and pages < call.slots * -(-(n - 1) // c)  # Preemption: some sequences give their pages back.
   if not (call.carried or short):
     return ("no sequence is re-prefilled: no partial rollouts (rollout.partial) and no paged pool short of every "
@@ -629,8 +634,8 @@ def _program_eval(step: _Step):
             "rows (and be a multiple of eval.num_samples): the trainer refuses this config")
   block = min(slots or rows, rows)
   eos_id, pad_id = _stop_ids(exp)
-  kwargs = dict(max_new_tokens=exp.response_len, eos_id=eos_id, pad_id=pad_id,
-                sampling=dataclasses.replace(engine, temperature=0.0), group_size=1)
+  kwargs = dict(max_new_tokens=exp.response_len, eos_id=eos_id, pad_id=pad_id, sampling=Strategy(temperature=0.0),
+                group_size=1, attention_backend=engine.attention_backend)
   args = (step.models.graphdef, step.state["params"], step.rows((block, exp.prompt_len), jnp.int32),
           step.rows((block, exp.prompt_len), bool), _key(exp))
   shape = (f"the evaluation's greedy pass: {rows} held-out rows in blocks of {block} x {exp.prompt_len} prompt "
@@ -714,12 +719,12 @@ def _knobs(name: str, exp: Experiment) -> list[str]:
           f"tensor={exp.mesh.shape['tensor']}): more fsdp or tensor shards the parameters further")
   budget = "the response budget (task.max_response_tokens)"
   if name == "rollout":
-    return [f"sampling.slots (now {exp.sampling.slots}; sequences decoded at once per chip)", budget, mesh]
+    return [f"sampling.slots (now {exp.engine.slots}; sequences decoded at once per chip)", budget, mesh]
   if name in ("decode", "reprefill"):
-    c = exp.sampling.page_size
-    pages = (f"sampling.pages (now {exp.sampling.pages}; the paged pool per chip, 0 = every slot at the longest "
+    c = exp.engine.page_size
+    pages = (f"sampling.pages (now {exp.engine.pages}; the paged pool per chip, 0 = every slot at the longest "
              "length)" if c else "sampling.page_size (now 0; > 0 pages the cache: memory follows the live tokens)")
-    return [f"sampling.slots (now {exp.sampling.slots}; sequences in flight per chip)", pages, budget, mesh]
+    return [f"sampling.slots (now {exp.engine.slots}; sequences in flight per chip)", pages, budget, mesh]
   if name == "eval":
     return [f"eval.slots (now {evaluation.EvalConfig.from_config(config).slots}; held-out sequences decoded at once "
             "per chip, 0 = all)", budget, mesh]
@@ -850,6 +855,6 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
              num_micro=m.num_micro, score_num_micro=m.score_num_micro, group_size=m.group_size,
              prompt_len=exp.prompt_len, response_len=exp.response_len,
              micro_batch_tokens=exp.config.micro_batch_tokens,
-             engine=exp.sampling.engine, slots=exp.sampling.slots, state_bytes_per_chip=_per_chip_bytes(step.state))
+             engine=exp.engine.engine, slots=exp.engine.slots, state_bytes_per_chip=_per_chip_bytes(step.state))
   mesh = {k: int(v) for k, v in exp.mesh.shape.items()}
   return Report(topology_json, mesh, run, results)

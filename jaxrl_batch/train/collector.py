@@ -22,7 +22,7 @@ from jaxrl_batch.model import KVCache, PagedKVCache
 from jaxrl_batch.rl.advantages import zero_std_groups
 from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import memory, sharding, streams, transfer
-from jaxrl_batch.sampling import SamplingParams, generate, rollout, static_stats
+from jaxrl_batch.sampling import Strategy, generate, rollout, static_stats
 from jaxrl_batch.tasks.rewards import ScoringBatch
 from jaxrl_batch.train import samples_log
 from jaxrl_batch.train.setup import Experiment
@@ -30,13 +30,14 @@ from jaxrl_batch.train.step_row import RolloutStats, group_zero_std_frac, traine
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
-                                             "group_size"))
+                                             "group_size", "attention_backend"))
 def _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data_3, *, max_new_tokens: int, eos_id: int,
-            pad_id: int, sampling: SamplingParams, group_size: int):
+            pad_id: int, sampling: Strategy, group_size: int, attention_backend: str):
   """One round's rollout, its sampling key built on the device from `streams.sampling_key_data`."""
   return generate(graphdef, params, prompt_BxP, prompt_valid_BxP, streams.sampling_key(key_data_3),
                   max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, sampling=sampling,
-                  group_size=group_size)  # One prefill per prompt, its KV shared by the group.
+                  group_size=group_size,  # One prefill per prompt, its KV shared by the group.
+                  attention_backend=attention_backend)
 
 
 _sampling_key = jax.jit(streams.sampling_key)
@@ -81,14 +82,14 @@ def check_rollout_memory(exp: Experiment, slots: int) -> int:
   device): the prompts' shared pages (prompt_len rounded up to C), sampling.pages growable pages (0 = every slot
   at the longest length) and the trash page. Returns the bytes per device."""
   data = sharding.data_parallel_size(exp.mesh)
-  cfg, length, c = exp.model_cfg, exp.prompt_len + exp.response_len - 1, exp.sampling.page_size
+  cfg, length, c = exp.model_cfg, exp.prompt_len + exp.response_len - 1, exp.engine.page_size
   if c:
     if data > 1:
       raise ValueError(f"sampling.page_size={c} (a paged KV cache) runs the rollout on one device, but the mesh "
                        f"shards the batch over {data}: set sampling.page_size=0 (the slot cache shards), or run on "
                        "one device.")
     prompt_pages = exp.member.num_prompts * -(-exp.prompt_len // c)
-    own = exp.sampling.pages or slots * -(-(exp.response_len - 1) // c)
+    own = exp.engine.pages or slots * -(-(exp.response_len - 1) // c)
     needed = PagedKVCache.bytes_for(cfg, prompt_pages + own + 1, c)
     shape = f"{prompt_pages} prompt pages + {own} pages for {slots} slots, of {c} positions"
     logging.info("Rollout KV cache (paged): %s x %d layers = %.1f MiB.", shape, cfg.num_layers, needed / 2**20)
@@ -117,7 +118,7 @@ class Collector:
     self.exp, self.member = exp, exp.member
     self.log_samples_count = exp.config.get("log_samples_count", 0)  # The first rollouts, as text for samples.jsonl.
     # Slots per device times the devices the batch is sharded over; 0 = every request at once.
-    self.slots = exp.sampling.slots * sharding.data_parallel_size(exp.mesh)
+    self.slots = exp.engine.slots * sharding.data_parallel_size(exp.mesh)
     self._row_sharding = functools.partial(sharding.batch_sharding, exp.mesh)
     check_rollout_memory(exp, self.slots or self.member.batch_size)
 
@@ -133,16 +134,18 @@ class Collector:
         (batch(2), batch(2), sharding.replicated(exp.mesh)))
     problems_B = [p for p in problems for _ in range(g)]
     scoring = exp.scorer.batch(problems_B)
-    streamed = exp.scorer.stream and exp.sampling.engine == "continuous" and jax.process_count() == 1
+    engine = exp.engine
+    streamed = exp.scorer.stream and engine.engine == "continuous" and jax.process_count() == 1
     t0 = time.time()
     kwargs = dict(max_new_tokens=exp.response_len, eos_id=exp.stop_id, pad_id=exp.tokenizer.pad_id,
-                  sampling=exp.sampling, group_size=g)
+                  sampling=exp.strategy, group_size=g)
     with jax.set_mesh(exp.mesh):
-      if exp.sampling.engine == "static" and self.slots in (0, m.batch_size):  # one block, one program
-        out, engine_stats = _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data, **kwargs), None
+      if engine.engine == "static" and self.slots in (0, m.batch_size):  # one block, one program
+        out, engine_stats = _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data,
+                                    attention_backend=engine.attention_backend, **kwargs), None
       else:
         out, engine_stats = rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, _sampling_key(key_data),
-                                    slots=self.slots, row_sharding=self._row_sharding,
+                                    engine=engine, slots=self.slots, row_sharding=self._row_sharding,
                                     on_ended=stream_to(exp, scoring, self.slots or m.batch_size) if streamed else None,
                                     **kwargs)
     out = jax.block_until_ready(out)

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxrl_batch.runtime.distributed import to_host
 from jaxrl_batch.runtime.sharding import batch_sharding, data_parallel_size
-from jaxrl_batch.sampling import SamplingParams, rollout
+from jaxrl_batch.sampling import EngineSettings, Strategy, rollout
 from jaxrl_batch.train.setup import Experiment
 
 # A sample is correct (pass@k, maj@k) when it earns the full reward: `Task.reward` is 1.0 if it solves the problem.
@@ -85,11 +85,11 @@ def sampled_metrics(rewards_PxK: np.ndarray, answers_PxK: Sequence[Sequence[Hash
   return out
 
 
-def engine_for(exp: Experiment, settings: EvalConfig) -> SamplingParams:
-  """The run's engine as both passes decode with it: `settings.slots` per device on every data-parallel device, no
-  top-k / top-p (each pass sets its temperature; `train.aot` compiles the greedy pass)."""
+def engine_for(exp: Experiment, settings: EvalConfig) -> EngineSettings:
+  """The run's engine as both passes decode with it: `settings.slots` per device on every data-parallel device
+  (`train.aot` compiles the greedy pass). Each pass chooses tokens at its temperature, with no top-k / top-p."""
   slots = settings.slots * data_parallel_size(exp.mesh)
-  return dataclasses.replace(exp.sampling, top_k=0, top_p=1.0, slots=slots)
+  return dataclasses.replace(exp.engine, slots=slots)
 
 
 def evaluate(exp: Experiment, graphdef, params, settings: EvalConfig | None = None) -> dict:
@@ -115,15 +115,15 @@ def evaluate(exp: Experiment, graphdef, params, settings: EvalConfig | None = No
                      f"(x {k} samples) in blocks of eval.slots x {dp} devices rows, which must divide "
                      f"{len(padded)} and be a multiple of eval.num_samples; or use 0, or sampling.engine=continuous.")
   decode = functools.partial(rollout, graphdef, params, max_new_tokens=exp.response_len, eos_id=exp.stop_id,
-                             pad_id=exp.tokenizer.pad_id, slots=slots,
+                             pad_id=exp.tokenizer.pad_id, engine=engine, slots=slots,
                              row_sharding=functools.partial(batch_sharding, exp.mesh))
   greedy_in = exp.shard_batch((tokens_BxP, valid_BxP))
   sampled_in = exp.shard_batch((np.repeat(tokens_BxP, k, axis=0), np.repeat(valid_BxP, k, axis=0))) if k else None
   with jax.set_mesh(exp.mesh):
-    outs = [decode(*greedy_in, jax.random.key(GREEDY_SEED), sampling=dataclasses.replace(engine, temperature=0.0))[0]]
+    outs = [decode(*greedy_in, jax.random.key(GREEDY_SEED), sampling=Strategy(temperature=0.0))[0]]
     if k:  # Each problem's k rows are adjacent: one prefill per problem.
       outs.append(decode(*sampled_in, jax.random.key(SAMPLING_SEED),
-                         sampling=dataclasses.replace(engine, temperature=settings.temperature), group_size=k)[0])
+                         sampling=Strategy(temperature=settings.temperature), group_size=k)[0])
   fetched = to_host([(out.tokens_BxN, out.mask_BxN) for out in outs])
   texts = [exp.decode_responses(tokens_BxN, mask_BxN) for tokens_BxN, mask_BxN in fetched]
   p = len(problems)

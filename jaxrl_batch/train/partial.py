@@ -51,7 +51,7 @@ class PartialCollector(Collector):
   def __init__(self, exp):
     super().__init__(exp)
     cfg = exp.config.rollout
-    if exp.sampling.engine != "continuous":
+    if exp.engine.engine != "continuous":
       raise ValueError("rollout.partial=True carries sequences across steps in the continuous engine's slots: set "
                        "sampling.engine='continuous'.")
     if exp.model_cfg.routing_replay:
@@ -153,8 +153,8 @@ class PartialCollector(Collector):
       return decode_steps >= self.budget and len(self._complete_groups(ended)) >= m.num_prompts
 
     out = continuous.decode(graphdef, params, device[0], device[1], requests, held_R, range(len(reqs)),
-                            _sampling_key(device[8]), eos_id=exp.stop_id, sampling=exp.sampling, slots=self.slots,
-                            stop=stop, row_sharding=self._row_sharding)
+                            _sampling_key(device[8]), eos_id=exp.stop_id, sampling=exp.strategy, engine=exp.engine,
+                            slots=self.slots, stop=stop, row_sharding=self._row_sharding)
     tokens_RxN, logps_RxN, lengths_R, eos_R = transfer.to_host("tokens", tuple(out.outputs)[:4])
     ended, carried = [], []
     for i, req in enumerate(reqs):

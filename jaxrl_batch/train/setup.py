@@ -19,7 +19,7 @@ from jaxrl_batch.config import family
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, transfer
-from jaxrl_batch.sampling import SamplingParams
+from jaxrl_batch.sampling import EngineSettings, Strategy, engine_settings
 from jaxrl_batch.text import chat_template as chat_template_lib
 from jaxrl_batch.text import tokenizer as tokenizer_lib
 from jaxrl_batch.text.loading import load_tokenizer
@@ -115,8 +115,14 @@ class Experiment:
     return sharding.abstract_sharded(self._module_fn(0), self.mesh, self.config.sharding_rules)
 
   @property
-  def sampling(self) -> SamplingParams:
-    return SamplingParams(**self.config.sampling)
+  def strategy(self) -> Strategy:
+    """How the rollouts' tokens are chosen (`sampling.temperature`, `top_k`, `top_p`)."""
+    return engine_settings.from_config(self.config.sampling)[0]
+
+  @property
+  def engine(self) -> EngineSettings:
+    """How the rollout engine runs (the other `sampling.*` keys)."""
+    return engine_settings.from_config(self.config.sampling)[1]
 
   def encode_prompts(self, problems) -> tuple[np.ndarray, np.ndarray]:
     """(tokens_BxP, valid_BxP): BOS + prompt, left-padded to `prompt_len`."""
