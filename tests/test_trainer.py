@@ -23,8 +23,10 @@ PPO_FIELDS = TRAIN_FIELDS | {"value_loss", "vf_explained_var", "critic_grad_norm
 EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy", "eval_reward_errors"}
 
 
-# Under `-n 2` the tests that read `debug_run` run in one worker, which trains it once (`--dist=loadgroup`).
+# Under `-n 2` the tests that read a shared run run in one worker, which trains it once (`--dist=loadgroup`).
 ON_DEBUG_RUNS_WORKER = pytest.mark.xdist_group("debug_run")
+ON_PPO_RUNS_WORKER = pytest.mark.xdist_group("ppo_run")
+PPO_KNOBS = {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,15 @@ def debug_run(tmp_path_factory, base_cache):
   """The directory of one uninterrupted run of the debug member, shared by the tests that only read it."""
   workdir = str(tmp_path_factory.mktemp("debug_run"))
   Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory, base_cache):
+  """The directory of one uninterrupted run of the PPO debug member with an adaptive KL penalty and dynamic
+  sampling, shared by the tests that only read it."""
+  workdir = str(tmp_path_factory.mktemp("ppo_run"))
+  Trainer(debug_config(base_cache, ppo_arith, **PPO_KNOBS), workdir, devices=ONE_DEVICE).run()
   return workdir
 
 
@@ -81,14 +92,14 @@ def test_a_run_stops_at_the_accuracy_it_reaches_and_stays_finished(tmp_path, bas
   assert [r["samples"] for r in rundir.read_metrics(stopped) if "eval_accuracy" in r] == [0, 64, 128, 192]
 
 
-@ON_DEBUG_RUNS_WORKER
-@pytest.mark.parametrize("module, overrides", [
-    (grpo_arith, {}),
-    (ppo_arith, {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}),
-], ids=["grpo", "ppo_adaptive_kl_dynamic_sampling"])
-def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, module, overrides, debug_run):
-  shared = debug_run if module is grpo_arith and not overrides else None  # the uninterrupted debug member
-  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, **overrides), shared)
+@pytest.mark.parametrize("module, overrides, straight", [
+    pytest.param(grpo_arith, {}, "debug_run", marks=ON_DEBUG_RUNS_WORKER, id="grpo"),
+    pytest.param(ppo_arith, PPO_KNOBS, "ppo_run", marks=ON_PPO_RUNS_WORKER, id="ppo_adaptive_kl_dynamic_sampling"),
+])
+def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkeypatch, request, module, overrides,
+                                                    straight):
+  straight = request.getfixturevalue(straight)  # the uninterrupted run of the member, shared
+  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, module, **overrides), straight)
   train = [r for r in a if "reward_mean" in r]
   assert all(r["reward_mean"] > 0 for r in train)  # it learns: a resume that lost run state would change the rows
   # The first training row of each session includes compilation; the analysis leaves its seconds out.
@@ -210,9 +221,9 @@ def test_cli_rejects_unknown_keys_and_wrong_types(tmp_path, base_cache):
   assert not (tmp_path / "run").exists()
 
 
-def test_ppo_trains_actor_and_critic(tmp_path, base_cache):
-  workdir = str(tmp_path / "ppo")
-  Trainer(debug_config(base_cache, ppo_arith), workdir, devices=ONE_DEVICE).run()
+@ON_PPO_RUNS_WORKER
+def test_ppo_trains_actor_and_critic(ppo_run):
+  workdir = ppo_run
   train = [r for r in rundir.read_metrics(workdir) if "reward_mean" in r]
   assert "grad_norm" not in train[0] and train[0]["value_loss"] >= 0  # Critic warm-up: the actor is frozen.
   assert all(PPO_FIELDS <= set(r) for r in train[1:])
