@@ -15,7 +15,8 @@ import pytest
 from configs.base import algo_config
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.batch import TrainBatch
-from jaxrl_batch.rl.noise_scale import NoiseScale, from_micro_batches, from_signed_gradients, signs
+from jaxrl_batch.rl.noise_scale import (NoiseScale, from_micro_batches, from_signed_gradients,
+                                        from_split_micro_batches, signs)
 from jaxrl_batch.rl.objective import LossWeights
 from jaxrl_batch.rl.packing import Packing
 from jaxrl_batch.rl.update import micro_loss
@@ -51,9 +52,14 @@ def reference_signal(grad_sq, micro_sq, u_B, prompt_B, micro_B):
 
 
 def estimate(grad_sq, micro_sq, micro_u, u_B, prompt_B=None, micro_B=None):
-  f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-  i32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
-  out = from_micro_batches(f32(grad_sq), f32(micro_sq), f32(micro_u), f32(u_B), i32(prompt_B), i32(micro_B))
+  """`from_split_micro_batches`, or without prompt ids (each row its own prompt) `from_micro_batches`."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  if prompt_B is None:
+    out = from_micro_batches(f32(grad_sq), f32(np.sum(micro_sq)), f32(np.sum(np.square(micro_u))), f32(np.sum(u_B)),
+                             f32(np.sum(np.square(u_B))))
+  else:
+    out = from_split_micro_batches(f32(grad_sq), f32(micro_sq), f32(micro_u), f32(u_B),
+                                   jnp.asarray(prompt_B, jnp.int32), jnp.asarray(micro_B, jnp.int32))
   return float(out["noise_signal_sq"]), float(out["noise_trace"])
 
 
@@ -126,8 +132,8 @@ def test_micro_batch_estimate_is_unbiased_on_simulated_gradients(case):
   g_i = np.stack([np.einsum("b,nbd->nd", u_B * (micro_B == i), x) for i in range(num_micro)], axis=1)
   micro_u = np.array([u_B[micro_B == i].sum() for i in range(num_micro)], np.float32)
   grad_sq, micro_sq = np.sum(g_i.sum(1)**2, -1), np.sum(g_i**2, -1)
-  out = jax.vmap(lambda g, m: from_micro_batches(g, m, micro_u, jnp.asarray(u_B, jnp.float32), jnp.asarray(prompt_B),
-                                                  jnp.asarray(micro_B)))(jnp.asarray(grad_sq, jnp.float32),
+  out = jax.vmap(lambda g, m: from_split_micro_batches(g, m, micro_u, jnp.asarray(u_B, jnp.float32),
+                                                        jnp.asarray(prompt_B), jnp.asarray(micro_B)))(jnp.asarray(grad_sq, jnp.float32),
                                                                          jnp.asarray(micro_sq, jnp.float32))
   trace = expected_norms(theta, u_B, prompt_B, micro_B, num_micro)[3]
   for key, want in (("noise_signal_sq", 1.0), ("noise_trace", trace)):
@@ -197,8 +203,7 @@ def test_ema_ratio_converges_to_b_simple_on_noisy_micro_batch_gradients():
   g_true, dim, small, big, steps = np.full(50, 0.1), 50, 4, 16, 3000  # |G|^2 = 0.5, tr = 50: B_simple = 100
   samples = g_true + rng.normal(size=(steps, big, dim))
   parts = samples.reshape(steps, big // small, small, dim).sum(2) / big  # each micro-batch's share of the gradient
-  out = jax.vmap(lambda g, m: from_micro_batches(g, m, jnp.full(4, 0.25), jnp.full(big, 1 / big)))(
-      jnp.asarray(np.sum(parts.sum(1) ** 2, -1), jnp.float32), jnp.asarray(np.sum(parts**2, -1), jnp.float32))
+  out = from_micro_batches(np.sum(parts.sum(1) ** 2, -1), np.sum(parts**2, (1, 2)), 4 * (1 / 4) ** 2, 1.0, 1 / big)
   estimate = NoiseScale(decay=0.99)
   for signal_sq, trace in zip(*map(np.asarray, (out["noise_signal_sq"], out["noise_trace"]))):
     value = estimate.update(dict(noise_signal_sq=float(signal_sq), noise_trace=float(trace)), 1)["noise_scale"]

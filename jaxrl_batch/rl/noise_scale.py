@@ -11,14 +11,14 @@ subset i of the rows (a micro-batch; U_{p,i} = sum of u_b over the rows of promp
 an equation linear in (|G|^2, A, C) whose coefficients the batch gives exactly, whatever the weights. A group is
 the rows of one prompt that the mini-batch holds (with rl.mini_batches > 1, a part of the prompt's samples).
 
-- `from_micro_batches`: from g and the micro-batch parts g_i, |G|^2 and the mini-batch's per-rollout trace
-  tr = A * (sum_p U_p^2) / (sum_b u_b^2) + C (= G A + C for groups of G with equal weights), so that
-  B_simple = tr / |G|^2 in rollouts. Exact (unbiased) in every configuration where |G|^2 is identifiable: where
-  each micro-batch holds whole groups, from |g|^2 and sum_i |g_i|^2 (padded micro-batches of whole groups, e.g.
-  one mini-batch in group order with micro-batches a multiple of the group size); where micro-batches split groups
-  (rl.mini_batches > 1, micro-batches not a multiple of the group size, rl.packing), by least squares over the
-  equations of each |g_i|^2 and of |g|^2 - sum_i |g_i|^2, whose A coefficients differ. NaN with one micro-batch or
-  where the split leaves |G|^2 unidentifiable. With groups split, two micro-batches identify |G|^2 only through
+- `from_micro_batches` / `from_split_micro_batches`: from g and the micro-batch parts g_i, |G|^2 and the
+  mini-batch's per-rollout trace tr = A * (sum_p U_p^2) / (sum_b u_b^2) + C (= G A + C for groups of G with equal
+  weights), so that B_simple = tr / |G|^2 in rollouts. Exact (unbiased) in every configuration where |G|^2 is
+  identifiable: where each micro-batch holds whole groups (one mini-batch in group order, micro-batches a multiple
+  of the group size, no packing), `from_micro_batches` from |g|^2 and sum_i |g_i|^2; where micro-batches may split
+  groups (rl.mini_batches > 1, micro-batches not a multiple of the group size, rl.packing),
+  `from_split_micro_batches` by least squares over the equations of each |g_i|^2 and of |g|^2 - sum_i |g_i|^2,
+  whose A coefficients differ. NaN with one micro-batch or where the split leaves |G|^2 unidentifiable. With groups split, two micro-batches identify |G|^2 only through
   how unevenly they split groups: exact, but several times noisier than with whole groups (the learner keeps each
   mini-batch's groups contiguous, so that few are split).
 - `from_signed_gradients` (`rl.noise_split`): g, and g with the signs of the sample's parity in its group and of
@@ -46,9 +46,10 @@ def dense_ids(ids_B) -> jax.Array:
   return jnp.unique(ids_B, size=ids_B.shape[0], fill_value=-1, return_inverse=True)[1].reshape(ids_B.shape)
 
 
-def _whole_groups(grad_sq, micro_grad_sq_sum, micro_weight_sq_sum, weight_sum, weight_sq_sum) -> dict:
-  """(|G|^2, trace) from |g|^2 and sum_i |g_i|^2 when each micro-batch holds whole groups (sum_i U_i^2 =
-  micro_weight_sq_sum, sum_b u_b = weight_sum, sum_b u_b^2 = weight_sq_sum)."""
+def from_micro_batches(grad_sq, micro_grad_sq_sum, micro_weight_sq_sum, weight_sum, weight_sq_sum) -> dict:
+  """Unbiased (|G|^2, per-rollout trace) from |g|^2 and sum_i |g_i|^2 where each micro-batch holds whole groups
+  (each row its own prompt, or micro-batches of whole groups), with sum_i U_i^2 = micro_weight_sq_sum,
+  sum_b u_b = weight_sum, sum_b u_b^2 = weight_sq_sum; NaN with one micro-batch."""
   signal_sq = _safe_div(grad_sq - micro_grad_sq_sum, weight_sum**2 - micro_weight_sq_sum)
   trace = _safe_div(grad_sq - signal_sq * weight_sum**2, weight_sq_sum)
   return dict(noise_signal_sq=signal_sq, noise_trace=trace)
@@ -82,18 +83,16 @@ def _split_groups_signal(grad_sq, micro_grad_sq_M, coef_Mx3, coef_3):
   return jnp.where(identifiable, (pinv_3xK @ y_K)[0] / scale_3[0], jnp.nan)
 
 
-def from_micro_batches(grad_sq, micro_grad_sq_M, micro_weight_M, u_B, prompt_B=None, micro_B=None) -> dict:
-  """Unbiased (|G|^2, per-rollout trace) of a mini-batch from |g|^2, the micro-batches' |g_i|^2 and weight sums
-  U_i (M of each; micro-batches past those that hold rows are 0), and each row's weight u_B, prompt id (None: each
-  row its own prompt) and micro-batch index. Where each micro-batch holds whole groups: today's two-equation
-  estimate from the sums; otherwise the least squares of `_split_groups_signal`; NaN with one micro-batch."""
+def from_split_micro_batches(grad_sq, micro_grad_sq_M, micro_weight_M, u_B, prompt_B, micro_B) -> dict:
+  """Unbiased (|G|^2, per-rollout trace) of a mini-batch whose micro-batches may split groups, from |g|^2, the
+  micro-batches' |g_i|^2 and weight sums U_i (M of each; micro-batches past those that hold rows are 0), and each
+  row's weight u_B, prompt id (any integers) and micro-batch index: `from_micro_batches` where each micro-batch
+  holds whole groups, otherwise the least squares of `_split_groups_signal`; NaN with one micro-batch."""
   sq_sum = micro_weight_sq_sum = 0.0
   for i in range(micro_grad_sq_M.shape[0]):  # in micro-batch order, as the update accumulates its gradient
     sq_sum, micro_weight_sq_sum = sq_sum + micro_grad_sq_M[i], micro_weight_sq_sum + micro_weight_M[i]**2
   weight_sum, weight_sq_sum = jnp.sum(u_B), jnp.sum(u_B**2)
-  whole = _whole_groups(grad_sq, sq_sum, micro_weight_sq_sum, weight_sum, weight_sq_sum)
-  if prompt_B is None:
-    return whole
+  whole = from_micro_batches(grad_sq, sq_sum, micro_weight_sq_sum, weight_sum, weight_sq_sum)
   prompt_B, num_micro = dense_ids(prompt_B), micro_grad_sq_M.shape[0]
   weighted_B = u_B != 0
   first = jax.ops.segment_min(jnp.where(weighted_B, micro_B, num_micro), prompt_B, num_segments=u_B.shape[0])

@@ -62,13 +62,15 @@ def _weights(batch: TrainBatch, cfg: AlgoConfig, signs_Bx2=None) -> LossWeights:
   return LossWeights(loss_BxT, losses.token_weights(batch.loss_mask_BxT, "token_mean"), signed)
 
 
-def _accumulate(trainable, micro_batches, count, loss_fn, split: bool):
-  """((loss, aux, grads) summed over the first `count` micro-batches, noise parts): each micro-batch's actor
-  |g_i|^2 and weight sum U_i (M each), or with `split` the signed actor gradients (2, ...) summed."""
+def _accumulate(trainable, micro_batches, count, loss_fn, split: bool, per_micro: bool):
+  """((loss, aux, grads) summed over the first `count` micro-batches, noise parts): the micro-batches' actor
+  sum_i |g_i|^2 and sum_i U_i^2 (U_i: the micro-batch's weight sum), or with `per_micro` each |g_i|^2 and U_i (M
+  each), or with `split` the signed actor gradients (2, ...) summed."""
   def micro_grads(micro_and_weights):
     if not split:
       (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, *micro_and_weights)
-      return (loss, aux, grads), (optax.tree.norm(grads[0], squared=True), jnp.sum(micro_and_weights[1].loss_BxT))
+      sq, u = optax.tree.norm(grads[0], squared=True), jnp.sum(micro_and_weights[1].loss_BxT)
+      return (loss, aux, grads), ((sq, u) if per_micro else (sq, u**2))
     loss_3, vjp_fn, aux = jax.vjp(lambda t: loss_fn(t, *micro_and_weights), trainable, has_aux=True)
     # One backward pass per cotangent: jit(vmap(vjp_fn)) miscomputed the signed rows on XLA:CPU (jax 0.10.2).
     (grads,), *signed = [vjp_fn(e) for e in jnp.eye(3, dtype=loss_3.dtype)]
@@ -77,12 +79,12 @@ def _accumulate(trainable, micro_batches, count, loss_fn, split: bool):
   def body(i, carry):
     summed, noise = carry
     step, parts = micro_grads(jax.tree.map(lambda x: x[i], micro_batches))
-    noise = jax.tree.map(jnp.add, noise, parts) if split else [n.at[i].set(p) for n, p in zip(noise, parts)]
+    noise = [n.at[i].set(p) for n, p in zip(noise, parts)] if per_micro else jax.tree.map(jnp.add, noise, parts)
     return jax.tree.map(jnp.add, summed, step), noise
 
   shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro_batches))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  if not split:
+  if per_micro:
     zeros = (zeros[0], [jnp.zeros((len(micro_batches[0].tokens_BxT),), s.dtype) for s in zeros[1]])
   return jax.lax.fori_loop(0, count, body, zeros)
 
@@ -114,7 +116,9 @@ def update(state: dict, batch: TrainBatch, kl_coef, ids_Bx2=None, *, models: Mod
   loss_fn = functools.partial(micro_loss, kl_coef=kl_coef, models=models, cfg=cfg, train_actor=train_actor,
                               num_micro=jnp.asarray(count, jnp.float32))
   trainable = (state["params"], state.get("critic"))
-  (loss, aux, (policy_grads, critic_grads)), noise = _accumulate(trainable, micro_batches, count, loss_fn, split)
+  per_micro = not split and ids_Bx2 is not None  # micro-batches may split groups (`rl.learner.needs_ids`)
+  (loss, aux, (policy_grads, critic_grads)), noise = _accumulate(trainable, micro_batches, count, loss_fn, split,
+                                                                 per_micro)
   state = dict(state)
   metrics = dict(routing_lib.logged(aux), loss=loss, num_tokens=jnp.sum(batch.loss_mask_BxT))
   if train_actor:
@@ -125,9 +129,10 @@ def update(state: dict, batch: TrainBatch, kl_coef, ids_Bx2=None, *, models: Mod
     if split:
       signed_sq = [optax.tree.norm(jax.tree.map(lambda g: g[k], noise), squared=True) for k in (0, 1)]
       metrics.update(noise_lib.from_signed_gradients(jnp.stack([grad_sq, *signed_sq]), u_B, *ids_Bx2.T))
+    elif per_micro:
+      metrics.update(noise_lib.from_split_micro_batches(grad_sq, *noise, u_B, ids_Bx2[:, 0], micro_B))
     else:
-      prompt_B = None if ids_Bx2 is None else ids_Bx2[:, 0]
-      metrics.update(noise_lib.from_micro_batches(grad_sq, *noise, u_B, prompt_B, micro_B))
+      metrics.update(noise_lib.from_micro_batches(grad_sq, *noise, jnp.sum(u_B), jnp.sum(u_B**2)))
   if cfg.critic:
     updates, state["critic_opt_state"] = models.critic_tx.update(critic_grads, state["critic_opt_state"],
                                                                  state["critic"])
