@@ -1,5 +1,6 @@
 """What several test modules share: tiny decoders on one device, the debug member of the arithmetic family and its
-runs (straight, and killed then resumed), `launch.train` as a child process, and comparisons of pytrees and rollouts.
+runs (straight, and killed then resumed), `launch.train` as a child process, comparisons of pytrees and rollouts,
+and one RL update of a tiny model with the documented loss computed by hand.
 
 Fixtures live in conftest.py; test modules import these functions and never each other.
 """
@@ -10,11 +11,19 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from configs import grpo_arith
+from configs.base import algo_config
 from jaxrl_batch.model import ModelConfig, Transformer, sequence_logits
+from jaxrl_batch.model.logprobs import sequence_logprobs
+from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.rl.batch import TrainBatch
+from jaxrl_batch.rl.critic import init_critic
+from jaxrl_batch.rl.forward import ModelDefs
+from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
@@ -104,3 +113,109 @@ def launch_train(workdir, base_cache, *flags, devices=None) -> subprocess.Popen:
   if devices is not None:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+# -- one RL update of a tiny model on a random batch (tests/test_update.py, test_noise_scale.py, test_packing.py) --
+
+UPDATE_CFG = tiny_config(vocab_size=16, d_model=16, num_layers=1, head_dim=4, d_ff=32)
+B, P, N = 8, 4, 5  # the update batch's rows, prompt tokens and response tokens
+PPO = algo_config(algo="ppo", estimator="gae", critic=True)
+
+
+def make_batch(seed=0) -> TrainBatch:
+  """B rows of P prompt tokens (some left-padded) and up to N response tokens, with random log-probs, advantages,
+  values and returns on the response."""
+  rng = np.random.default_rng(seed)
+  prompt = rng.integers(3, 16, (B, P))
+  prompt_valid = np.ones((B, P), bool)
+  prompt_valid[::3, :2] = False
+  lengths = rng.integers(1, N + 1, B)
+  mask = np.arange(N)[None] < lengths[:, None]
+  tokens = np.concatenate([prompt, np.where(mask, rng.integers(3, 16, (B, N)), 0)], 1).astype(np.int32)
+  loss_mask = np.concatenate([np.zeros((B, P), bool), mask], 1)
+  valid = np.concatenate([prompt_valid, mask], 1)
+  f = lambda x: jnp.asarray(np.where(loss_mask, x, 0.0), jnp.float32)
+  logp = f(-rng.uniform(0.5, 3.0, (B, P + N)))
+  adv = f(rng.normal(size=(B, 1)) * np.ones((1, P + N)))
+  return TrainBatch(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(loss_mask), logp, logp, jnp.zeros_like(logp),
+                    adv, f(rng.uniform(0, 1, (B, P + N))), f(rng.uniform(0, 1, (B, P + N))))
+
+
+def setup(mesh, cfg: AlgoConfig, actor_tx=optax.sgd(0.05), critic_tx=optax.sgd(0.05)):
+  """(ModelDefs, state) of the tiny update model on `mesh`, with a critic when `cfg` has one."""
+  graphdef, params = sharding.create_sharded(lambda: Transformer(UPDATE_CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
+  state, critic_graphdef = dict(params=params, opt_state=actor_tx.init(params)), None
+  if cfg.critic:
+    critic_graphdef, state["critic"] = init_critic(UPDATE_CFG, params, cfg.share_backbone, cfg.critic_layers, mesh,
+                                                   sharding.DEFAULT_RULES)
+    # A non-zero head, so that values and their gradients are not trivially 0.
+    head = state["critic"] if cfg.share_backbone else state["critic"]["head"]
+    head["w"] = head["w"] + 0.1
+    state["critic_opt_state"] = critic_tx.init(state["critic"])
+  return ModelDefs(graphdef, actor_tx, critic_graphdef, critic_tx if cfg.critic else None), state
+
+
+def one_step(mesh, num_micro, batch, cfg, kl_coef=0.0, train_actor=True, packing=None, noise_ids=None):
+  """One `update` of a fresh `setup` on `batch`: (models, state before, state after, metrics), states as numpy."""
+  models, state = setup(mesh, cfg)
+  before = jax.tree.map(np.asarray, state)
+  with jax.set_mesh(mesh):
+    batch = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch)
+    state, metrics = update(state, batch, jnp.float32(kl_coef), noise_ids, models=models, cfg=cfg, num_micro=num_micro,
+                            train_actor=train_actor, packing=packing)
+  return models, before, jax.tree.map(np.asarray, state), metrics
+
+
+def assert_close_to_sum(actual, want, scale, rel=1e-5, err_msg=""):
+  """actual == want to `rel` of `scale`, the sum of the magnitudes of the terms that make up `want`.
+
+  A float32 sum is accurate to a few ulps of its terms' magnitudes, not of its result: a loss that is a small
+  difference of larger terms keeps last bits that depend on the order XLA sums in (the CPU kind, the thread count,
+  the device count), so its tolerance follows the terms, never the (possibly near-0) result alone."""
+  assert scale > 0, scale
+  np.testing.assert_allclose(actual, want, rtol=0, atol=rel * scale, err_msg=err_msg)
+
+
+def loss_scale(models, params, batch, cfg, metrics):
+  """The sum of |terms| of the update's loss and its policy part: the hand computation's (below; token-level ratio
+  and no dual clip, so an estimate for GSPO's and dual-clip configs) plus vf_coef * the (non-negative) value loss."""
+  policy = hand_loss(models, params, batch, cfg)[1]
+  return dict(loss=policy + cfg.vf_coef * float(metrics.get("value_loss", 0.0)), policy_loss=policy)
+
+
+def assert_metrics_close(metrics, want, scales, rtol=2e-5):
+  """Two updates' metrics agree: the losses (sums that can cancel) to rtol of their terms' magnitudes (`scales`,
+  from `loss_scale`), the other metrics (sums of non-negative terms, counts) to rtol of themselves."""
+  for key in want:
+    if key.startswith("noise_"):  # Estimates from micro-batches of other sizes.
+      continue
+    if key in scales:
+      assert_close_to_sum(metrics[key], want[key], scales[key], rel=rtol, err_msg=key)
+    else:
+      np.testing.assert_allclose(metrics[key], want[key], rtol=rtol, atol=1e-7, err_msg=key)
+
+
+def hand_loss(models, params, batch, cfg, ref_logp=None, kl_coef=0.0):
+  """The documented loss in numpy, token by token (token-level ratio, no dual clip), and the sum of its terms'
+  magnitudes, to which its float32 computation is accurate (`assert_close_to_sum`)."""
+  logp, logits = sequence_logprobs(models.graphdef, params, batch.tokens_BxT, batch.valid_BxT)
+  logp, old, sampler, adv, mask = map(np.asarray, (logp, batch.old_logp_BxT, batch.sampler_logp_BxT, batch.adv_BxT,
+                                                    batch.loss_mask_BxT))
+  ratio = np.exp(logp - old)
+  pg = np.maximum(-ratio * adv, -np.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
+  if cfg.tis_cap:
+    w = np.exp(old - sampler)
+    pg = pg * (np.minimum(w, cfg.tis_cap) if cfg.tis_mode == "truncate" else np.where(w > cfg.tis_cap, 0.0, w))
+  n = mask.sum(1, keepdims=True)
+  if cfg.loss_agg == "token_mean":
+    w = mask / mask.sum()
+  else:  # 1 / (N_seq n_i), 1 / N_seq or 1 / (N_seq constant), with N_seq the sequences that have loss tokens
+    per_seq = dict(seq_mean_token_mean=n.clip(1), seq_mean_token_sum=1.0, constant=cfg.loss_agg_constant)[cfg.loss_agg]
+    w = mask / ((n > 0).sum() * per_seq)
+  p = jax.nn.softmax(np.asarray(logits), -1)
+  entropy = np.pad(-(p * np.log(p)).sum(-1)[:, :-1], ((0, 0), (1, 0)))
+  terms = [w * pg, -cfg.entropy_coef * w * entropy]
+  if ref_logp is not None:
+    d = ref_logp - logp
+    terms.append(kl_coef * w * (np.exp(d) - d - 1))
+  return sum(t.sum() for t in terms), sum(np.abs(t).sum() for t in terms)

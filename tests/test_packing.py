@@ -15,7 +15,8 @@ from jaxrl_batch.rl.forward import logprobs_and_values, reference_cfg
 from jaxrl_batch.rl.packing import Packing, first_fit_decreasing, pack, plan, unpack
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train.sft import sft_step
-from tests.test_update import B, N, ONE, P, PPO, assert_metrics_close, loss_scale, make_batch, one_step, setup
+from tests.helpers import (B, N, ONE_DEVICE, P, PPO, assert_metrics_close, debug_config, loss_scale, make_batch,
+                           one_step, setup)
 
 T = P + N
 PACKED = Packing(rows=2, length=2 * T)  # rows of two padded rows' length: most hold two or three sequences
@@ -50,7 +51,7 @@ def test_packing_round_trips_and_counts_the_micro_batches_it_fills():
 def test_attention_stays_within_each_packed_sequence():
   """Logits of the packed rows equal those of each sequence alone (padded)."""
   batch = make_batch(2)
-  models, state = setup(sharding.make_mesh(1, 1, 1, devices=ONE), algo_config())
+  models, state = setup(sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE), algo_config())
   padded = sequence_logits(models.graphdef, state["params"], batch.tokens_BxT, batch.valid_BxT)
   the_plan = plan(batch.valid_BxT, packing=PACKED)
   segment_ids, positions = the_plan.segment_ids_MxRxL, the_plan.positions_MxRxL
@@ -79,7 +80,7 @@ def test_packed_update_equals_the_padded_one_on_one_device_and_eight(cfg, reques
   rng = np.random.default_rng(3)
   batch = batch._replace(sampler_logp_BxT=batch.old_logp_BxT + jnp.asarray(rng.normal(0, 0.2, (B, T)), jnp.float32)
                          * batch.loss_mask_BxT)
-  one = sharding.make_mesh(1, 1, 1, devices=ONE)
+  one = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
   models, before, want, want_metrics = one_step(one, 2, batch, cfg)
   scales = loss_scale(models, before["params"], batch, cfg, want_metrics)
   skipped = eight and jax.device_count() < 8
@@ -96,7 +97,7 @@ def test_packed_update_equals_the_padded_one_on_one_device_and_eight(cfg, reques
                          ids=["trainer_logp", "critic_separate", "critic_shared"])
 def test_trainer_logprobs_values_and_reference_over_packed_rows_equal_the_padded_ones(cfg):
   batch = make_batch(5)
-  mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
+  mesh = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
   models, state = setup(mesh, cfg)
   args = (state["params"], state.get("critic"), batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT)
   with jax.set_mesh(mesh):
@@ -112,7 +113,7 @@ def test_trainer_logprobs_values_and_reference_over_packed_rows_equal_the_padded
 
 def test_packed_warm_start_step_equals_the_padded_one():
   batch = make_batch(6)
-  mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
+  mesh = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
   tx = optax.adam(1e-2)
   outs = []
   for packing in (None, PACKED):
@@ -127,10 +128,9 @@ def test_packed_warm_start_step_equals_the_padded_one():
 def test_a_run_with_packed_micro_batches_gives_the_padded_run_rows(tmp_path, base_cache):
   from jaxrl_batch.train import rundir
   from jaxrl_batch.train.trainer import Trainer
-  from tests.helpers import debug_config
   runs = []
   for name, overrides in (("padded", {}), ("packed", {"micro_batch_tokens": 96})):
-    trainer = Trainer(debug_config(base_cache, sample_budget=64, **overrides), str(tmp_path / name), devices=ONE)
+    trainer = Trainer(debug_config(base_cache, sample_budget=64, **overrides), str(tmp_path / name), devices=ONE_DEVICE)
     assert (trainer.exp.packing is None) == (name == "padded")
     trainer.run()
     assert trainer.learner.packing == trainer.exp.packing
@@ -142,4 +142,4 @@ def test_a_run_with_packed_micro_batches_gives_the_padded_run_rows(tmp_path, bas
   np.testing.assert_allclose(loss[1], loss[0], rtol=1e-4, atol=1e-5)
   assert all(r["grad_norm"] > 0 for r in runs[1] if "grad_norm" in r)
   with pytest.raises(ValueError, match=r"micro_batch_tokens=8 packs rows of 12 tokens"):
-    Trainer(debug_config(base_cache, micro_batch_tokens=8), str(tmp_path / "small"), devices=ONE)
+    Trainer(debug_config(base_cache, micro_batch_tokens=8), str(tmp_path / "small"), devices=ONE_DEVICE)
