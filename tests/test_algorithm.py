@@ -80,8 +80,8 @@ def test_ppo_without_gae_is_refused():
 def test_the_rl_group_must_hold_every_field():
   c = build("grpo", {})
   del c.rl["noise_split"]
-  with pytest.raises(ValueError, match=r"missing keys \['noise_split'\]"):
+  with pytest.raises(ValueError, match=r"config.rl lacks \['noise_split'\]"):
     AlgoConfig.from_config(c)
   c = build("grpo", dict(typo_knob=1))
-  with pytest.raises(ValueError, match=r"unknown keys \['typo_knob'\]"):
+  with pytest.raises(ValueError, match=r"Unknown config.rl keys \['typo_knob'\]"):
     AlgoConfig.from_config(c)

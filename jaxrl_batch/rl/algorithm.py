@@ -77,9 +77,10 @@ class AlgoConfig:
     rl, critic = config.rl, config.critic
     rl_fields = {f.name for f in dataclasses.fields(cls)} - set(NOT_RL)
     unknown, missing = sorted(set(rl.keys()) - rl_fields), sorted(rl_fields - set(rl.keys()))
-    if unknown or missing:
-      raise ValueError(f"config.rl: unknown keys {unknown}, missing keys {missing}; the group holds "
-                       f"{sorted(rl_fields)} (configs/base.py's rl_config).")
+    if unknown:
+      raise ValueError(f"Unknown config.rl keys {unknown}; valid keys are {sorted(rl_fields)}.")
+    if missing:
+      raise ValueError(f"config.rl lacks {missing}: the group holds every field of configs/base.py's rl_config.")
     out = cls(algo=config.algo, temperature=config.sampling.temperature or 1.0, critic=config.algo == "ppo",
               share_backbone=critic.share_backbone, critic_layers=critic.num_layers, vf_clip=critic.vf_clip,
               vf_coef=critic.vf_coef, critic_warmup_steps=critic.warmup_steps, **dict(rl))
