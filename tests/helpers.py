@@ -14,9 +14,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import grpo_arith
 from configs.base import algo_config
+from jaxrl_batch.kernels import train_attention
 from jaxrl_batch.model import ModelConfig, Transformer, sequence_logits
 from jaxrl_batch.model.logprobs import sequence_logprobs
 from jaxrl_batch.rl.algorithm import AlgoConfig
@@ -64,6 +66,29 @@ def assert_same_rollout(a, b, atol=1e-5):
   for name in ("tokens_BxN", "mask_BxN", "lengths_B", "truncated_B"):
     np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
   np.testing.assert_allclose(np.asarray(a.logprobs_BxN), np.asarray(b.logprobs_BxN), atol=atol)
+
+
+# Qwen2.5-1.5B's attention at a training length: 12 query heads over 2 kv heads of 128, bfloat16.
+ATTENTION_B, ATTENTION_T, ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM = 2, 2048, 12, 2, 128
+
+
+def compiled_attention(mesh, backend: str):
+  """(HLO text, temporary bytes per device) of `segment_attention`'s forward and backward at the shapes above,
+  compiled for `mesh` (rows over its batch axes, query heads over "tensor") with `backend`; nothing runs."""
+  b, t, n, kv, h = ATTENTION_B, ATTENTION_T, ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM
+  rows = sharding.BATCH_AXES
+  heads, whole = PartitionSpec(rows, None, "tensor", None), PartitionSpec(rows, None, None, None)
+  specs = (heads, whole, whole, PartitionSpec(rows, None), heads)
+  shapes = ((b, t, n, h), (b, t, kv, h), (b, t, kv, h), (b, t), (b, t, n, h))
+  dtypes = (jnp.bfloat16,) * 3 + (jnp.int32, jnp.bfloat16)
+  args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for s, d, p in zip(shapes, dtypes, specs)]
+
+  def run(q, k, v, ids, ct):
+    out, vjp = jax.vjp(lambda q, k, v: train_attention.segment_attention(q, k, v, ids, backend=backend), q, k, v)
+    return out, vjp(ct)
+  with jax.set_mesh(mesh):
+    lowered = jax.jit(run).lower(*args)
+  return lowered.as_text(), lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 def debug_config(base_cache, module=grpo_arith, **overrides):

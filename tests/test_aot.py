@@ -8,16 +8,14 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from configs import grpo_gsm8k_qwen
 from jaxrl_batch.kernels import train_attention
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.train import aot
+from tests.helpers import ATTENTION_B, ATTENTION_T, compiled_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OOM = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (21.77G) exceeds "
@@ -224,25 +222,11 @@ def test_flash_gpu_compiled_for_h100s_needs_a_fraction_of_dense_temporaries():
   0.10.2): dense 503,418,880 temporary bytes per GPU, flash_gpu 25,166,104 (kv heads repeated to 12, the backward's
   residuals); at T=4096: 2,013,470,720 and 50,331,928."""
   mesh = sharding.make_mesh(data=1, fsdp=1, tensor=2, devices=topologies.compile_only("h100:2").devices)
-  b, t, n, kv, h = 2, 2048, 12, 2, 128
-  rows = sharding.BATCH_AXES
-  specs = (P(rows, None, "tensor", None), P(rows, None, None, None), P(rows, None, None, None), P(rows, None),
-           P(rows, None, "tensor", None))
-  shapes = ((b, t, n, h), (b, t, kv, h), (b, t, kv, h), (b, t), (b, t, n, h))
-  dtypes = (jnp.bfloat16,) * 3 + (jnp.int32, jnp.bfloat16)
-  args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for s, d, p in zip(shapes, dtypes, specs)]
-
-  def compiled(backend):
-    def run(q, k, v, ids, ct):
-      out, vjp = jax.vjp(lambda q, k, v: train_attention.segment_attention(q, k, v, ids, backend=backend), q, k, v)
-      return out, vjp(ct)
-    with jax.set_mesh(mesh):
-      assert train_attention.resolve(backend) == ("flash_gpu" if backend == "auto" else backend)
-      lowered = jax.jit(run).lower(*args)
-    return lowered.as_text(), lowered.compile().memory_analysis().temp_size_in_bytes
-
-  flash_hlo, flash_temp = compiled("auto")
-  dense_hlo, dense_temp = compiled("dense")
+  with jax.set_mesh(mesh):
+    assert train_attention.resolve("auto") == "flash_gpu"
+  flash_hlo, flash_temp = compiled_attention(mesh, "auto")
+  dense_hlo, dense_temp = compiled_attention(mesh, "dense")
+  b, t = ATTENTION_B, ATTENTION_T
   triton = "__gpu$xla.gpu.triton"
   assert flash_hlo.count(triton) >= 3 and triton not in dense_hlo  # mha's forward, and its dq and dk/dv kernels
   assert dense_temp >= b * 6 * t * t * 4, dense_temp

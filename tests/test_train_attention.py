@@ -11,15 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxrl_batch.kernels import train_attention
 from jaxrl_batch.model import KVCache, layout
 from jaxrl_batch.model.layers import Attention
 from jaxrl_batch.model.masks import Segments, segments, training_layout
 from jaxrl_batch.runtime import sharding
-from tests.helpers import tiny_config
+from tests.helpers import compiled_attention, tiny_config
 
 INTERPRET = os.environ.get("JAXRL_PALLAS_INTERPRET", "1") != "0"
 ATOL = 1e-5 if INTERPRET else 2e-2  # compiled kernels' f32 dots may run in TF32 / bf16 passes
@@ -160,24 +158,8 @@ def test_splash_compiled_for_tpu_needs_a_fraction_of_dense_temporaries(v5e_mesh)
   """Forward + backward at Qwen2.5-1.5B's heads (12 query, 2 kv, head_dim 128), bf16, B=2, T=2048 on v5e:2x2 with
   tensor=4. Measured (libtpu 0.0.42.1): dense 53,011,456 temporary bytes per chip, splash 0 (its blocks live in
   VMEM); at T=4096: 638,598,656 and 0."""
-  b, t, n, kv, h = 2, 2048, 12, 2, 128
-  rows = sharding.BATCH_AXES
-  specs = (P(rows, None, "tensor", None), P(rows, None, None, None), P(rows, None, None, None), P(rows, None),
-           P(rows, None, "tensor", None))
-  shapes = ((b, t, n, h), (b, t, kv, h), (b, t, kv, h), (b, t), (b, t, n, h))
-  dtypes = (jnp.bfloat16,) * 3 + (jnp.int32, jnp.bfloat16)
-  args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(v5e_mesh, p)) for s, d, p in zip(shapes, dtypes, specs)]
-
-  def compiled(backend):
-    def run(q, k, v, ids, ct):
-      out, vjp = jax.vjp(lambda q, k, v: train_attention.segment_attention(q, k, v, ids, backend=backend), q, k, v)
-      return out, vjp(ct)
-    with jax.set_mesh(v5e_mesh):
-      lowered = jax.jit(run).lower(*args)
-    return lowered.as_text(), lowered.compile().memory_analysis().temp_size_in_bytes
-
-  splash_hlo, splash_temp = compiled("auto")  # auto on a TPU mesh: splash, as a Mosaic kernel
-  dense_hlo, dense_temp = compiled("dense")
+  splash_hlo, splash_temp = compiled_attention(v5e_mesh, "auto")  # auto on a TPU mesh: splash, as a Mosaic kernel
+  dense_hlo, dense_temp = compiled_attention(v5e_mesh, "dense")
   assert "tpu_custom_call" in splash_hlo and "tpu_custom_call" not in dense_hlo
   assert dense_temp >= 32 * 2**20, dense_temp  # B x 3 local heads x T x T bf16 probabilities: 48 MiB
   assert splash_temp <= dense_temp // 20, (splash_temp, dense_temp)
