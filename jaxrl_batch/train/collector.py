@@ -116,7 +116,7 @@ class Collector:
 
   def __init__(self, exp: Experiment):
     self.exp, self.member = exp, exp.member
-    self.log_samples_count = exp.config.get("log_samples_count", 0)  # The first rollouts, as text for samples.jsonl.
+    self.log_samples_count = exp.config.log_samples_count  # The first rollouts, as text for samples.jsonl.
     # Slots per device times the devices the batch is sharded over; 0 = every request at once.
     self.slots = exp.engine.slots * sharding.data_parallel_size(exp.mesh)
     self._row_sharding = functools.partial(sharding.batch_sharding, exp.mesh)

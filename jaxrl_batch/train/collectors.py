@@ -21,17 +21,17 @@ from jaxrl_batch.train.setup import Experiment
 def _split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[list, Experiment | None]:
   """(the learner's devices, the rollout's `Experiment` or None when colocated). `config.rollout_mesh.devices` = n
   > 0 gives the last n devices to generation, with the mesh shape of `rollout_mesh`'s data/fsdp/tensor/expert."""
-  rollout = config.get("rollout_mesh")
-  n = rollout.devices if rollout is not None else 0
-  if rollout is not None and rollout.get("process_cores", ""):
-    if n or config.rl.get("max_staleness", 0) < 1 or jax.process_count() > 1:
+  rollout = config.rollout_mesh
+  n = rollout.devices
+  if rollout.process_cores:
+    if n or config.rl.max_staleness < 1 or jax.process_count() > 1:
       raise ValueError(f"rollout_mesh.process_cores={rollout.process_cores!r} generates in a process of its own, "
                        "ahead of the learner: it needs rl.max_staleness >= 1, rollout_mesh.devices=0 and a "
                        "single-process run.")
     return devices, None
   if not n:
     return devices, None
-  if config.rl.get("max_staleness", 0) < 1:
+  if config.rl.max_staleness < 1:
     raise ValueError(f"rollout_mesh.devices={n} generates on devices of its own, so generation must run ahead of "
                      "the learner: set rl.max_staleness >= 1, or rollout_mesh.devices=0 (colocated).")
   if not 0 < n < len(devices):
@@ -46,7 +46,7 @@ def build(config: ml_collections.ConfigDict, devices=None) -> tuple[Experiment, 
   (`Rollouts`, `RolloutStats`); those that carry rollouts across steps also have `state_dict`/`load_state_dict`."""
   learner_devices, rollout_exp = _split_devices(config, list(devices or jax.devices()))
   exp = Experiment.create(config, devices=learner_devices)
-  partial = config.get("rollout") is not None and config.rollout.partial
+  partial = config.rollout.partial
   staleness = exp.member.algo.max_staleness
   if partial and staleness:
     raise ValueError("rollout.partial with rl.max_staleness > 0: partial rollouts already let generation run "
@@ -55,6 +55,6 @@ def build(config: ml_collections.ConfigDict, devices=None) -> tuple[Experiment, 
     return exp, PartialCollector(exp)
   if not staleness:
     return exp, Collector(exp)
-  cores = config.rollout_mesh.get("process_cores", "") if config.get("rollout_mesh") is not None else ""
+  cores = config.rollout_mesh.process_cores
   generator = RemoteGenerator(config, exp, cores) if cores else Collector(rollout_exp or exp)
   return exp, AsyncCollector(generator, staleness, exp.mesh)

@@ -71,7 +71,7 @@ class Trainer:
     self.critic_optimizer = (make_optimizer(config.critic.optim, m.batch_size, m.sample_budget, m.updates_per_step,
                                             (m.critic_lr, m.critic_adam)) if self.algo.critic else None)
     self.noise_scale = NoiseScale()  # Restarts on resume: an EMA, not part of the training state.
-    self.samples_log = samples_log.SamplesLog(self.workdir, config.get("log_samples_max_chars", 0))
+    self.samples_log = samples_log.SamplesLog(self.workdir, config.log_samples_max_chars)
     evaluation.EvalConfig.from_config(config)  # A malformed `eval` group fails here, before the warm start.
     self.metrics = writers.open_writers(config, self.workdir, m)  # metrics.jsonl and config.writers' sinks.
     self.lock = WorkdirLock(self.workdir)
@@ -312,7 +312,7 @@ class Trainer:
       self.metrics.write(step_row.eval_row(0, 0, wall(), held_out))
       logging.info("Step 0: held-out greedy accuracy %.3f (base policy).", eval_acc)
     first_step, idle = step, 0
-    stop_at = c.get("stop_at_accuracy", 0.0)
+    stop_at = c.stop_at_accuracy
     reached = lambda acc: rundir.reached_accuracy(acc, stop_at)
     while samples < m.sample_budget and not reached(eval_acc):
       state, stats, timing, device_metrics = self._train_step(state, step)
@@ -324,7 +324,7 @@ class Trainer:
                            "response budget, or use rl.overlong='penalty'.")
       step, previous, samples = step + 1, samples, samples + trained
       generated += stats.samples_generated
-      if c.get("log_samples_every_steps", 0) > 0 and step % c.log_samples_every_steps == 0:
+      if c.log_samples_every_steps > 0 and step % c.log_samples_every_steps == 0:
         self.samples_log.write(step, samples, stats.examples)
       counters = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(),
                       cold=step == first_step + 1)
