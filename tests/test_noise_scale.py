@@ -132,9 +132,9 @@ def test_micro_batch_estimate_is_unbiased_on_simulated_gradients(case):
   g_i = np.stack([np.einsum("b,nbd->nd", u_B * (micro_B == i), x) for i in range(num_micro)], axis=1)
   micro_u = np.array([u_B[micro_B == i].sum() for i in range(num_micro)], np.float32)
   grad_sq, micro_sq = np.sum(g_i.sum(1)**2, -1), np.sum(g_i**2, -1)
-  out = jax.vmap(lambda g, m: from_split_micro_batches(g, m, micro_u, jnp.asarray(u_B, jnp.float32),
-                                                        jnp.asarray(prompt_B), jnp.asarray(micro_B)))(jnp.asarray(grad_sq, jnp.float32),
-                                                                         jnp.asarray(micro_sq, jnp.float32))
+  estimates = jax.vmap(lambda g, m: from_split_micro_batches(g, m, micro_u, jnp.asarray(u_B, jnp.float32),
+                                                              jnp.asarray(prompt_B), jnp.asarray(micro_B)))
+  out = estimates(jnp.asarray(grad_sq, jnp.float32), jnp.asarray(micro_sq, jnp.float32))
   trace = expected_norms(theta, u_B, prompt_B, micro_B, num_micro)[3]
   for key, want in (("noise_signal_sq", 1.0), ("noise_trace", trace)):
     draws = np.asarray(out[key], np.float64)

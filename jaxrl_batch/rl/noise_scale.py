@@ -18,9 +18,10 @@ the rows of one prompt that the mini-batch holds (with rl.mini_batches > 1, a pa
   of the group size, no packing), `from_micro_batches` from |g|^2 and sum_i |g_i|^2; where micro-batches may split
   groups (rl.mini_batches > 1, micro-batches not a multiple of the group size, rl.packing),
   `from_split_micro_batches` by least squares over the equations of each |g_i|^2 and of |g|^2 - sum_i |g_i|^2,
-  whose A coefficients differ. NaN with one micro-batch or where the split leaves |G|^2 unidentifiable. With groups split, two micro-batches identify |G|^2 only through
-  how unevenly they split groups: exact, but several times noisier than with whole groups (the learner keeps each
-  mini-batch's groups contiguous, so that few are split).
+  whose A coefficients differ. NaN with one micro-batch or where the split leaves |G|^2 unidentifiable. With
+  groups split, the micro-batches identify |G|^2 only through how unevenly they split groups: exact, but noisier
+  (two micro-batches: ~10x the whole-groups standard deviation; four or more sorted ones: about the same). The
+  learner keeps each mini-batch's rows in batch order, so that few groups are split.
 - `from_signed_gradients` (`rl.noise_split`): g, and g with the signs of the sample's parity in its group and of
   its prompt's parity: |G|^2, A and C, exact for any micro-batches, packing and mini-batches (NaN where the system
   is singular). B_inter = A / |G|^2 in prompts, B_intra = C / |G|^2 in rollouts; with G samples per prompt the
