@@ -71,6 +71,14 @@ def _take_rows(batch: TrainBatch, rows_S, *, mesh) -> TrainBatch:
                                                                  sharding.batch_sharding(mesh, x.ndim)), batch)
 
 
+@functools.partial(jax.jit, static_argnames=("batch_size", "group_size"))
+def _prompt_ids(rows_S=None, *, batch_size: int, group_size: int) -> jax.Array:
+  """(S, 2) int32 prompt id and index in its group of the batch rows `rows_S` (None: all B rows), computed on the
+  device (no host transfer)."""
+  rows_S = jnp.arange(batch_size, dtype=jnp.int32) if rows_S is None else rows_S
+  return jnp.stack([rows_S // group_size, rows_S % group_size], axis=1)
+
+
 @jax.jit
 def _mean_over_updates(history: list[dict]) -> dict:
   """Each metric's mean over the step's updates; `logp_gap` and `router_mismatch_frac` from the first (before any
@@ -135,13 +143,12 @@ class Learner:
     averaged over the updates)."""
     cfg = self.cfg
     train_actor = step >= cfg.critic_warmup_steps
-    ids = None
-    if needs_ids(cfg, self.group_size, self.mini_batch_size, self.num_micro, self.packing):
-      rows_B = jnp.arange(batch.tokens_BxT.shape[0], dtype=jnp.int32)
-      ids = jnp.stack([rows_B // self.group_size, rows_B % self.group_size], axis=1)
-    minis = [(_take_rows(batch, rows, mesh=self.mesh), None if ids is None else ids[rows]) for rows in orders]
+    with_ids = needs_ids(cfg, self.group_size, self.mini_batch_size, self.num_micro, self.packing)
+    ids = lambda rows=None: (_prompt_ids(rows, batch_size=batch.tokens_BxT.shape[0], group_size=self.group_size)
+                             if with_ids else None)
+    minis = [(_take_rows(batch, rows, mesh=self.mesh), ids(rows)) for rows in orders] or [(batch, ids())] * cfg.epochs
     history = []
-    for mini, mini_ids in minis or [(batch, ids)] * cfg.epochs:
+    for mini, mini_ids in minis:
       state, metrics = update(state, mini, kl_coef, mini_ids, models=self.models, cfg=cfg, num_micro=self.num_micro,
                               train_actor=train_actor, packing=self.packing)
       history.append(metrics)
