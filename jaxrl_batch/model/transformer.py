@@ -34,7 +34,11 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Llama/Qwen-style decoder: embed -> L blocks -> RMSNorm -> (tied) output head."""
+  """Llama/Qwen-style decoder: embed -> L blocks -> RMSNorm -> (tied) output head.
+
+  One entry point per use: `forward` (hidden states and routing: training and scoring, which apply the head in
+  chunks with `logits`), `step` (logits, cache and the experts chosen: the decode engines) and `__call__` (logits
+  and cache: a plain language model, as users and the parity tests call it)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -47,16 +51,11 @@ class Transformer(nnx.Module):
       self.lm_head = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.d_model, cfg.vocab_size),
                                    ("embed", "vocab"), dt)
 
-  def hidden(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None,
-             decode_backend: str | None = None):
-    """Final-normed hidden states (B, T, D) in the compute dtype, and the updated cache; args as `__call__`."""
-    x, cache, _ = self.forward(tokens_BxT, positions_BxT, mask_BxTxS, cache, cache_index, decode_backend)
-    return x, cache
-
   def forward(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None, cache_index=None,
               decode_backend: str | None = None, replay_BxTxLxK=None):
-    """`hidden` and the routing of every MoE layer: (hidden_BxTxD, cache, routings), routings a tuple of
-    `moe.Routing` over the B*T tokens, one per layer of `cfg.moe_layers` (empty for a dense model).
+    """Final-normed hidden states (B, T, D) in the compute dtype, the updated cache and the routing of every MoE
+    layer: (hidden_BxTxD, cache, routings), routings a tuple of `moe.Routing` over the B*T tokens, one per layer of
+    `cfg.moe_layers` (empty for a dense model); args as `__call__`.
 
     replay_BxTxLxK: optional int experts per token for each of the L MoE layers (routing replay).
     """

@@ -41,7 +41,7 @@ def separate_values(graphdef, params, tokens_BxT, valid_BxT, segment_ids_BxT=Non
   (`masks.training_layout`)."""
   model = nnx.merge(graphdef, params)
   positions_and_mask = training_layout(model.backbone.cfg.attention, valid_BxT, segment_ids_BxT, positions_BxT)
-  hidden_BxTxD, _ = model.backbone.hidden(tokens_BxT, *positions_and_mask)
+  hidden_BxTxD, _, _ = model.backbone.forward(tokens_BxT, *positions_and_mask)
   return align(model.head(hidden_BxTxD))
 
 

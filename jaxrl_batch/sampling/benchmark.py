@@ -114,9 +114,6 @@ class EosAt(nnx.Module):
     only_eos_V = jnp.where(is_eos_V, 0.0, -1e30)
     return jnp.where(at_BxT[..., None], only_eos_V, jnp.where(is_eos_V, -1e30, logits_BxTxV))
 
-  def hidden(self, *args, **kwargs):
-    return self.model.hidden(*args, **kwargs)
-
   def forward(self, *args, **kwargs):
     return self.model.forward(*args, **kwargs)
 

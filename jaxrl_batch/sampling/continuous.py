@@ -281,7 +281,7 @@ def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, 
   kv_valid_SxL = jnp.concatenate([prefix.valid_QxP[prompt_S], fed_valid_SxT,
                                   jnp.zeros((s, cache.length - p - fed), bool)], axis=1)
   positions_SxT = length_S[:, None] + jnp.arange(fed)[None, :]
-  _, written = model.hidden(fed_SxT, positions_SxT, cache_mask(kv_valid_SxL, p, fed), cache, p)
+  _, written, _ = model.forward(fed_SxT, positions_SxT, cache_mask(kv_valid_SxL, p, fed), cache, p)
   if own_SxM is None:
     written = jax.tree.map(lambda new, old: jnp.where(resumed_S.reshape((s,) + (1,) * (new.ndim - 1)), new, old),
                            written, cache)
