@@ -5,8 +5,6 @@ import glob
 import importlib
 import math
 import os
-import threading
-import time
 
 import jax
 import pytest
@@ -17,8 +15,6 @@ from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.model import ModelConfig
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.study import runner
-from jaxrl_batch.tasks.base import Problem
-from jaxrl_batch.tasks.rewards import RewardScorer
 from jaxrl_batch.train.setup import Experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,60 +66,6 @@ def test_parse_arg_types_and_errors():
   c = grpo_arith.get_config("debug")
   apply_overrides(c, ["writers=jsonl, tensorboard"])  # launch.study --set: a tuple field takes comma-separated names.
   assert c.writers == ("jsonl", "tensorboard")
-
-
-def test_reward_errors_and_timeouts_are_counted_not_raised():
-  def reward(completion, problem):
-    if completion == "boom":
-      raise RuntimeError("parser exploded")
-    if completion == "hang":
-      threading.Event().wait()
-    return float("nan") if completion == "nan" else float(completion == str(problem.answer))
-  problems = [Problem("1+1=", 2)] * 6
-  scorer = RewardScorer(reward, workers=2, timeout_s=0.3)
-  start = time.monotonic()
-  scores = scorer.score(["2", "boom", "hang", "3", "nan", "2"], problems)
-  assert scores.rewards_B.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-  assert (scores.errors, scores.timeouts) == (2, 1) and scores.first_error == "RuntimeError: parser exploded"
-  assert time.monotonic() - start < 5 and scorer.abandoned == 1
-  # Hung threads are replaced: with both workers hung, the third sample is still scored.
-  scores = scorer.score(["hang", "hang", "2"], problems[:3])
-  assert scores.rewards_B.tolist() == [0.0, 0.0, 1.0] and scores.timeouts == 2 and scorer.abandoned == 3
-  assert scores.first_error == "the reward function ran past task.reward_timeout_s=0.3 s"
-  scorer.close()
-
-
-def test_a_reward_that_hangs_for_good_stops_scoring_with_an_error_past_max_hung():
-  release = threading.Event()
-  def reward(completion, problem):
-    if completion == "hang":
-      release.wait()
-    return 1.0
-  scorer = RewardScorer(reward, workers=1, timeout_s=0.1, max_hung=2)
-  assert scorer.score(["hang", "hang", "ok"], [None] * 3).rewards_B.tolist() == [0.0, 0.0, 1.0]
-  assert (scorer.abandoned, scorer.hung, scorer.failure) == (2, 2, None)  # Two hung threads are tolerated.
-  with pytest.raises(RuntimeError, match=r"3 reward threads are still running past task.reward_timeout_s=0.1 s "
-                                         r"\(at most 2 are tolerated\): the reward function hangs"):
-    scorer.score(["hang", "ok"], [None] * 2)
-  release.set()  # The hung calls return at last: their threads end and are no longer counted.
-  deadline = time.monotonic() + 5
-  while scorer.hung and time.monotonic() < deadline:
-    time.sleep(0.01)
-  assert scorer.hung == 0 and scorer.abandoned == 3
-  scorer.close()
-
-
-def test_rewards_arrive_in_parts_and_keep_their_order():
-  scorer = RewardScorer(lambda completion, problem: float(completion), workers=3)
-  batch = scorer.batch(list(range(5)))
-  batch.submit([3, 1], lambda: ["3", "1"])
-  with pytest.raises(ValueError, match=r"samples \[1\] were submitted twice"):
-    batch.submit([1], lambda: ["1"])
-  with pytest.raises(ValueError, match="3 of 5 samples were never submitted"):
-    batch.result()
-  batch.submit([4, 0, 2], lambda: ["4", "0", "2"])
-  assert batch.result().rewards_B.tolist() == [0, 1, 2, 3, 4]
-  scorer.close()
 
 
 def _model(module, arg=None) -> ModelConfig:

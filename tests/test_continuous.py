@@ -8,20 +8,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.model import Transformer
 from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.sampling import (EngineSettings, Strategy, continuous, generate, generate_continuous, rollout,
                                   static_stats)
+from tests.helpers import assert_same_rollout, one_device_model, tiny_config
 
 V, EOS, PAD, N = 24, 2, 0, 12
-CFG = ModelConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64)
+CFG = tiny_config(vocab_size=V)
 GREEDY, SAMPLED = Strategy(temperature=0.0), Strategy(temperature=1.0)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  return sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(3)), mesh, sharding.DEFAULT_RULES)
+  return one_device_model(CFG, seed=3)
 
 
 def _requests(seed, prompts=4, group=2, width=5):
@@ -50,19 +50,13 @@ def _continuous(tiny, prompt, valid, budget, sampling, engine, slots, group=2):
                              sampling=sampling, engine=engine, group_size=group, slots=slots, budget_B=budget)
 
 
-def _assert_same(a, b, atol=1e-5):
-  for name in ("tokens_BxN", "mask_BxN", "lengths_B", "truncated_B"):
-    np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
-  np.testing.assert_allclose(np.asarray(a.logprobs_BxN), np.asarray(b.logprobs_BxN), atol=atol)
-
-
 @pytest.mark.parametrize("slots,chunk", [(1, 16), (3, 2), (5, 1), (8, 4)])
 def test_greedy_tokens_equal_the_static_engine_whatever_slots_and_chunk(tiny, slots, chunk):
   prompt, valid, budget = _requests(0)
   expected = _static(tiny, prompt, valid, budget, GREEDY)
   assert len(set(np.asarray(expected.lengths_B).tolist())) > 3  # slots end, and are refilled, at different times
   got, stats = _continuous(tiny, prompt, valid, budget, GREEDY, _engine(chunk), slots)
-  _assert_same(got, expected)
+  assert_same_rollout(got, expected)
   lengths = np.asarray(expected.lengths_B)
   assert stats.decoded == (lengths - 1).sum() and stats.slot_steps >= stats.decoded
   assert np.all(lengths <= np.asarray(budget))
@@ -73,7 +67,7 @@ def test_sampled_tokens_do_not_depend_on_slots_or_chunk(tiny):
   runs = [_continuous(tiny, prompt, valid, budget, SAMPLED, _engine(chunk), slots)[0]
           for slots, chunk in ((8, 16), (2, 3), (1, 1))]
   for other in runs[1:]:
-    _assert_same(other, runs[0])
+    assert_same_rollout(other, runs[0])
   # EOS ends sequences before their budget in some rows: the engine stops a row at EOS, and marks it untruncated.
   truncated, lengths = np.asarray(runs[0].truncated_B), np.asarray(runs[0].lengths_B)
   np.testing.assert_array_equal(truncated, np.asarray(runs[0].tokens_BxN)[np.arange(8), lengths - 1] != EOS)
@@ -83,7 +77,7 @@ def test_pallas_backend_gives_the_xla_tokens(tiny):
   prompt, valid, budget = _requests(2)
   runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(4, backend), 3)[0]
           for backend in ("xla", "pallas")]
-  _assert_same(runs[1], runs[0], atol=1e-4)
+  assert_same_rollout(runs[1], runs[0], atol=1e-4)
 
 
 def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
@@ -124,7 +118,7 @@ def test_static_blocks_and_their_figures(tiny):
   blocks, stats = rollout(*tiny, prompt, valid, jax.random.key(0), max_new_tokens=N, eos_id=EOS, pad_id=PAD,
                           sampling=GREEDY, engine=static, group_size=2, slots=4, budget_B=budget)
   assert stats is None
-  _assert_same(blocks, whole)
+  assert_same_rollout(blocks, whole)
   lengths = np.asarray(whole.lengths_B)
   figures = static_stats(lengths, 4)
   assert figures.slot_steps == 4 * (lengths[:4].max() - 1) + 4 * (lengths[4:].max() - 1)
@@ -146,7 +140,7 @@ def test_a_mesh_of_8_devices_gives_the_single_device_rollout(tiny):
                                  engine=_engine(4), group_size=2, slots=8, budget_B=budget,
                                  row_sharding=lambda ndim: sharding.batch_sharding(mesh, ndim))
   assert not got.tokens_BxN.sharding.is_fully_replicated  # the requests stay split over the 8 devices
-  _assert_same(got, expected, atol=1e-4)
+  assert_same_rollout(got, expected, atol=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -172,7 +166,7 @@ def test_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny, temper
   assert second.ended_R[rest].all()
   merged = jax.tree.map(lambda a, b: jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b),
                         out, second.outputs)
-  _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
+  assert_same_rollout(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
 
 
 @pytest.mark.parametrize("page_size,slots", [(2, 3), (4, 5), (16, 8)])
@@ -181,7 +175,7 @@ def test_a_paged_cache_gives_the_static_engine_tokens(tiny, page_size, slots):
   prompt, valid, budget = _requests(9)
   expected = _static(tiny, prompt, valid, budget, GREEDY)
   got, stats = _continuous(tiny, prompt, valid, budget, GREEDY, _engine(2, page_size=page_size), slots)
-  _assert_same(got, expected, atol=1e-4)
+  assert_same_rollout(got, expected, atol=1e-4)
   assert stats.preempted == 0 and 0 < stats.pages_peak <= slots * -(-(N - 1) // page_size)
 
 
@@ -193,7 +187,7 @@ def test_a_short_pool_preempts_and_re_prefills_to_the_same_tokens(tiny):
   ample, _ = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(2, page_size=2), 4)
   short, stats = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(2, page_size=2, pages=10), 4)
   assert stats.preempted > 0 and stats.pages_peak <= 10 and stats.reprefill_s > 0
-  _assert_same(short, ample, atol=1e-4)
+  assert_same_rollout(short, ample, atol=1e-4)
   with pytest.raises(ValueError, match="cannot hold one sequence"):
     _continuous(tiny, prompt, valid, budget, GREEDY, _engine(2, page_size=2, pages=5), 4)
 
@@ -202,7 +196,7 @@ def test_the_paged_pallas_kernel_gives_the_xla_tokens(tiny):
   prompt, valid, budget = _requests(11)
   runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(4, backend, page_size=4), 3)[0]
           for backend in ("xla", "pallas")]
-  _assert_same(runs[1], runs[0], atol=1e-4)
+  assert_same_rollout(runs[1], runs[0], atol=1e-4)
 
 
 def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
@@ -223,7 +217,7 @@ def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
                              engine=engine, slots=3)
   merged = jax.tree.map(lambda a, b: jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b),
                         out, second.outputs)
-  _assert_same(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
+  assert_same_rollout(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
 
 
 def test_a_paged_cache_refuses_what_it_cannot_do(tiny):

@@ -21,7 +21,7 @@ from jaxrl_batch.rl.objective import LossWeights
 from jaxrl_batch.rl.packing import Packing
 from jaxrl_batch.rl.update import micro_loss
 from jaxrl_batch.runtime import sharding
-from tests.test_update import ONE, assert_close_to_sum, make_batch, one_step, setup
+from tests.helpers import ONE_DEVICE, assert_close_to_sum, make_batch, one_step, setup
 
 
 def coefficients(u_B, prompt_B, rows):
@@ -241,7 +241,7 @@ def test_update_signed_gradients_match_their_definition(case):
   elif case == "one_long_micro_batch":
     batch, num_micro = long_batch(), 1
   rows = np.arange(batch.tokens_BxT.shape[0])
-  group, mesh = 4, sharding.make_mesh(1, 1, 1, devices=ONE)
+  group, mesh = 4, sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
   prompt_B, sample_B = rows // group + 2 * len(rows), rows % group
   models, state = setup(mesh, cfg)
   w = losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg)
@@ -272,7 +272,7 @@ def test_update_micro_batch_estimate_matches_its_definition():
   past the rows): the update's estimates equal the reference's least squares over the micro-batch gradients' norms
   computed apart (jax.grad of each micro-batch's loss under the mini-batch's weights)."""
   cfg = algo_config(loss_agg="seq_mean_token_mean")
-  batch, mesh, rows = make_batch(2), sharding.make_mesh(1, 1, 1, devices=ONE), np.arange(8)
+  batch, mesh, rows = make_batch(2), sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE), np.arange(8)
   prompt_B = rows // 3 + 20
   models, state = setup(mesh, cfg)
   w = losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg)

@@ -22,9 +22,10 @@ from jaxrl_batch.train import rundir
 from jaxrl_batch.train.branch import Origin
 from jaxrl_batch.train.trainer import Trainer
 from jaxrl_batch.train.workdir_lock import WorkdirBusy, WorkdirLock
+from tests.helpers import ROOT, launch_train
 
 ONE = jax.devices()[:1]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ON_FINISHED_RUNS_WORKER = pytest.mark.xdist_group("finished_run")  # under -n 2, trained once, in one worker
 ONE_DEVICE = ("mesh.data=1",)
 
 
@@ -70,6 +71,7 @@ def test_a_second_holder_is_refused_naming_the_first(tmp_path):
     pass
 
 
+@pytest.mark.slow
 def test_a_killed_holders_lock_is_free_at_once(tmp_path):
   holder = subprocess.Popen([sys.executable, "-c", (
       "import sys, time; from jaxrl_batch.train.workdir_lock import WorkdirLock; "
@@ -84,6 +86,7 @@ def test_a_killed_holders_lock_is_free_at_once(tmp_path):
     pass
 
 
+@ON_FINISHED_RUNS_WORKER
 def test_trainer_and_study_skip_a_held_workdir_without_touching_it(finished_run, base_cache, tmp_path):
   workdir = copy_of(finished_run, tmp_path)
   before = snapshot(workdir)
@@ -136,6 +139,7 @@ def test_no_usable_checkpoint_is_an_error_naming_each_and_moves_nothing(tmp_path
   assert snapshot(str(tmp_path)) == before
 
 
+@ON_FINISHED_RUNS_WORKER
 def test_a_corrupt_latest_checkpoint_resumes_from_the_previous_to_the_same_rows(finished_run, base_cache, tmp_path):
   workdir = copy_of(finished_run, tmp_path)
   latest = os.path.join(workdir, "checkpoints", "6")
@@ -175,6 +179,7 @@ def test_the_non_finite_advice_is_a_branch_that_trains_on(base_cache, tmp_path, 
 
 # -- the metrics log -------------------------------------------------------------------------------------------------
 
+@ON_FINISHED_RUNS_WORKER
 def test_a_torn_last_row_is_dropped_on_resume(finished_run, base_cache, tmp_path):
   workdir = copy_of(finished_run, tmp_path)
   with open(rundir.metrics_path(workdir), "a") as f:
@@ -188,6 +193,7 @@ def test_a_torn_last_row_is_dropped_on_resume(finished_run, base_cache, tmp_path
     rundir.read_metrics(workdir)
 
 
+@ON_FINISHED_RUNS_WORKER
 def test_a_log_whose_checkpoints_are_gone_is_refused_without_changes(finished_run, base_cache, tmp_path):
   workdir = copy_of(finished_run, tmp_path)
   shutil.rmtree(rundir.checkpoints_dir(workdir))
@@ -222,6 +228,7 @@ def test_evaluation_counts_and_logs_reward_errors(base_cache, tmp_path, monkeypa
 
 # -- branching ------------------------------------------------------------------------------------------------------
 
+@ON_FINISHED_RUNS_WORKER
 def test_a_branch_without_changes_replays_its_source_which_it_only_reads(finished_run, base_cache, tmp_path):
   before = snapshot(finished_run)
   workdir = str(tmp_path / "branch")
@@ -231,6 +238,7 @@ def test_a_branch_without_changes_replays_its_source_which_it_only_reads(finishe
   assert snapshot(finished_run) == before
 
 
+@ON_FINISHED_RUNS_WORKER
 def test_a_branch_trains_on_from_the_step_with_the_changes_it_records(finished_run, base_cache, tmp_path):
   workdir = str(tmp_path / "branch")
   # Two more steps from the source's last checkpoint (step 6), at 10x the lr and without the clip (its removal keeps
@@ -249,6 +257,7 @@ def test_a_branch_trains_on_from_the_step_with_the_changes_it_records(finished_r
       "optim.base_lr: 0.002 -> 0.02", "optim.grad_clip: 1.0 -> 0.0", "sample_budget: 192 -> 256"]
 
 
+@ON_FINISHED_RUNS_WORKER
 def test_a_branch_that_cannot_start_names_why_and_writes_nothing(finished_run, base_cache, tmp_path):
   new = str(tmp_path / "new")
   cases = [
@@ -272,14 +281,6 @@ def test_a_branch_that_cannot_start_names_why_and_writes_nothing(finished_run, b
 
 # -- signals and kills ----------------------------------------------------------------------------------------------
 
-def _launch(workdir, base_cache):
-  """`launch.train` of the debug member for 10 steps on one device."""
-  cmd = [sys.executable, "-m", "launch.train", "--config=configs/grpo_arith.py:debug", f"--workdir={workdir}",
-         "--config.mesh.data=1", f"--config.sft.cache_dir={base_cache}", "--config.sample_budget=320"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
 def _wait_for(proc, done, what):
   deadline = time.time() + 240
   while not done():
@@ -292,6 +293,7 @@ def _saved_steps(workdir):
   return [int(d) for d in os.listdir(rundir.checkpoints_dir(str(workdir))) if d.isdigit()]
 
 
+@pytest.mark.slow
 def test_sigterm_then_kill_9_then_rerun_give_the_uninterrupted_rows(base_cache, tmp_path):
   straight = str(tmp_path / "straight")
   Trainer(config(base_cache, sample_budget=320), straight, devices=ONE).run()  # 10 steps, in this process
@@ -300,7 +302,7 @@ def test_sigterm_then_kill_9_then_rerun_give_the_uninterrupted_rows(base_cache, 
   workdir = tmp_path / "run"
 
   # SIGTERM: the step in progress ends, its checkpoint is saved, exit 128 + 15.
-  proc = _launch(workdir, base_cache)
+  proc = launch_train(workdir, base_cache, "--config.mesh.data=1", "--config.sample_budget=320", devices=1)
   _wait_for(proc, lambda: any(r.get("step", 0) >= 3 for r in rundir.read_metrics(str(workdir))), "step 3")
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
@@ -310,13 +312,13 @@ def test_sigterm_then_kill_9_then_rerun_give_the_uninterrupted_rows(base_cache, 
   assert Checkpointer(rundir.checkpoints_dir(str(workdir))).latest_step() == stopped
 
   # The rerun resumes there; kill -9 once it has saved a later checkpoint.
-  proc = _launch(workdir, base_cache)
+  proc = launch_train(workdir, base_cache, "--config.mesh.data=1", "--config.sample_budget=320", devices=1)
   _wait_for(proc, lambda: max(_saved_steps(workdir)) > stopped, "later checkpoint")
   proc.send_signal(signal.SIGKILL)
   out, _ = proc.communicate(timeout=60)
   assert f"Resuming from step {stopped}" in out, out[-3000:]
 
-  proc = _launch(workdir, base_cache)
+  proc = launch_train(workdir, base_cache, "--config.mesh.data=1", "--config.sample_budget=320", devices=1)
   out, _ = proc.communicate(timeout=240)
   assert proc.returncode == 0 and "Resuming from step" in out, out[-3000:]
   assert rundir.rows_mismatch(rundir.read_metrics(straight), rundir.read_metrics(str(workdir))) is None
@@ -340,6 +342,7 @@ def _drop_newer_fields(config):
     node.pop(key, None)
 
 
+@ON_FINISHED_RUNS_WORKER
 def test_a_config_json_from_before_newer_fields_resumes_with_them_filled(finished_run, base_cache, tmp_path, caplog):
   workdir = copy_of(finished_run, tmp_path)
   _rewrite_config(workdir, _drop_newer_fields)
@@ -354,6 +357,7 @@ def test_a_config_json_from_before_newer_fields_resumes_with_them_filled(finishe
     Trainer(config(base_cache, overrides=["rl.noise_split=True"]), workdir, devices=ONE).run()
 
 
+@ON_FINISHED_RUNS_WORKER
 def test_a_config_json_with_an_unknown_field_is_refused_on_resume(finished_run, base_cache, tmp_path):
   workdir = copy_of(finished_run, tmp_path)
   _rewrite_config(workdir, lambda c: c["rl"].update(future_knob=1.0))

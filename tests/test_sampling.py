@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_batch.model import ModelConfig, Transformer, sequence_logits
-from jaxrl_batch.runtime import sharding
+from jaxrl_batch.model import ModelConfig, sequence_logits
 from jaxrl_batch.sampling import EngineSettings, Strategy, engine_settings, generate
 from jaxrl_batch.sampling.generate import cache_buckets
 from jaxrl_batch.sampling.strategies import argmax, sample, truncate
+from tests.helpers import one_device_model, tiny_config
 
 V, EOS, PAD = 12, 2, 0
 FAKE_CFG = ModelConfig(vocab_size=V, d_model=4, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, d_ff=4)
-TINY_CFG = ModelConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64)
+TINY_CFG = tiny_config(vocab_size=V)
 GREEDY = Strategy(temperature=0.0)
 
 
@@ -63,8 +63,7 @@ def _fake(log=None):
 
 @pytest.fixture(scope="module")
 def tiny():
-  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  return sharding.create_sharded(lambda: Transformer(TINY_CFG, nnx.Rngs(1)), mesh, sharding.DEFAULT_RULES)
+  return one_device_model(TINY_CFG, seed=1)
 
 
 def _group_prompts(seed):

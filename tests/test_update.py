@@ -5,66 +5,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from configs.base import algo_config
-from jaxrl_batch.model import ModelConfig, Transformer
-from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.model import Transformer
 from jaxrl_batch.model.logprobs import sequence_logprobs
-from jaxrl_batch.rl.batch import TrainBatch, split_micro_batches
-from jaxrl_batch.rl.critic import init_critic
+from jaxrl_batch.rl.batch import split_micro_batches
 from jaxrl_batch.rl.forward import ModelDefs, logprobs_and_values, reference_cfg
-from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
-
-CFG = ModelConfig(vocab_size=16, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4, d_ff=32)
-B, P, N = 8, 4, 5
-ONE = jax.devices()[:1]
-
-
-def make_batch(seed=0) -> TrainBatch:
-  rng = np.random.default_rng(seed)
-  prompt = rng.integers(3, 16, (B, P))
-  prompt_valid = np.ones((B, P), bool)
-  prompt_valid[::3, :2] = False
-  lengths = rng.integers(1, N + 1, B)
-  mask = np.arange(N)[None] < lengths[:, None]
-  tokens = np.concatenate([prompt, np.where(mask, rng.integers(3, 16, (B, N)), 0)], 1).astype(np.int32)
-  loss_mask = np.concatenate([np.zeros((B, P), bool), mask], 1)
-  valid = np.concatenate([prompt_valid, mask], 1)
-  f = lambda x: jnp.asarray(np.where(loss_mask, x, 0.0), jnp.float32)
-  logp = f(-rng.uniform(0.5, 3.0, (B, P + N)))
-  adv = f(rng.normal(size=(B, 1)) * np.ones((1, P + N)))
-  return TrainBatch(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(loss_mask), logp, logp, jnp.zeros_like(logp),
-                    adv, f(rng.uniform(0, 1, (B, P + N))), f(rng.uniform(0, 1, (B, P + N))))
-
-
-def setup(mesh, cfg: AlgoConfig, actor_tx=optax.sgd(0.05), critic_tx=optax.sgd(0.05)):
-  graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(0)), mesh, sharding.DEFAULT_RULES)
-  state, critic_graphdef = dict(params=params, opt_state=actor_tx.init(params)), None
-  if cfg.critic:
-    critic_graphdef, state["critic"] = init_critic(CFG, params, cfg.share_backbone, cfg.critic_layers, mesh,
-                                                   sharding.DEFAULT_RULES)
-    # A non-zero head, so that values and their gradients are not trivially 0.
-    head = state["critic"] if cfg.share_backbone else state["critic"]["head"]
-    head["w"] = head["w"] + 0.1
-    state["critic_opt_state"] = critic_tx.init(state["critic"])
-  return ModelDefs(graphdef, actor_tx, critic_graphdef, critic_tx if cfg.critic else None), state
-
-
-def one_step(mesh, num_micro, batch, cfg, kl_coef=0.0, train_actor=True, packing=None, noise_ids=None):
-  models, state = setup(mesh, cfg)
-  before = jax.tree.map(np.asarray, state)
-  with jax.set_mesh(mesh):
-    batch = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch)
-    state, metrics = update(state, batch, jnp.float32(kl_coef), noise_ids, models=models, cfg=cfg, num_micro=num_micro,
-                            train_actor=train_actor, packing=packing)
-  return models, before, jax.tree.map(np.asarray, state), metrics
-
-
-PPO = algo_config(algo="ppo", estimator="gae", critic=True)
+from tests.helpers import (B, N, ONE_DEVICE, P, PPO, UPDATE_CFG, assert_close_to_sum, assert_metrics_close, hand_loss,
+                           loss_scale, make_batch, one_step, setup)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -82,66 +33,11 @@ def test_micro_batches_and_devices_leave_the_update_unchanged(cfg):
   rng = np.random.default_rng(9)
   batch = batch._replace(sampler_logp_BxT=batch.old_logp_BxT + jnp.asarray(rng.normal(0, 0.2, (B, P + N)),
                                                                            jnp.float32) * batch.loss_mask_BxT)
-  models, before, ref_state, ref_metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE), 1, batch, cfg)
+  models, before, ref_state, ref_metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE), 1, batch, cfg)
   _, _, state, metrics = one_step(sharding.make_mesh(2, 2, 2), 2, batch, cfg)
   assert ref_metrics["grad_norm"] > 0 and ("kl" in ref_metrics) == cfg.use_kl
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=3e-6), ref_state, state)
   assert_metrics_close(metrics, ref_metrics, loss_scale(models, before["params"], batch, cfg, ref_metrics))
-
-
-def assert_close_to_sum(actual, want, scale, rel=1e-5, err_msg=""):
-  """actual == want to `rel` of `scale`, the sum of the magnitudes of the terms that make up `want`.
-
-  A float32 sum is accurate to a few ulps of its terms' magnitudes, not of its result: a loss that is a small
-  difference of larger terms keeps last bits that depend on the order XLA sums in (the CPU kind, the thread count,
-  the device count), so its tolerance follows the terms, never the (possibly near-0) result alone."""
-  assert scale > 0, scale
-  np.testing.assert_allclose(actual, want, rtol=0, atol=rel * scale, err_msg=err_msg)
-
-
-def loss_scale(models, params, batch, cfg, metrics):
-  """The sum of |terms| of the update's loss and its policy part: the hand computation's (below; token-level ratio
-  and no dual clip, so an estimate for GSPO's and dual-clip configs) plus vf_coef * the (non-negative) value loss."""
-  policy = hand_loss(models, params, batch, cfg)[1]
-  return dict(loss=policy + cfg.vf_coef * float(metrics.get("value_loss", 0.0)), policy_loss=policy)
-
-
-def assert_metrics_close(metrics, want, scales, rtol=2e-5):
-  """Two updates' metrics agree: the losses (sums that can cancel) to rtol of their terms' magnitudes (`scales`,
-  from `loss_scale`), the other metrics (sums of non-negative terms, counts) to rtol of themselves."""
-  for key in want:
-    if key.startswith("noise_"):  # Estimates from micro-batches of other sizes.
-      continue
-    if key in scales:
-      assert_close_to_sum(metrics[key], want[key], scales[key], rel=rtol, err_msg=key)
-    else:
-      np.testing.assert_allclose(metrics[key], want[key], rtol=rtol, atol=1e-7, err_msg=key)
-
-
-def hand_loss(models, params, batch, cfg, ref_logp=None, kl_coef=0.0):
-  """The documented loss in numpy, token by token (token-level ratio, no dual clip), and the sum of its terms'
-  magnitudes, to which its float32 computation is accurate (`assert_close_to_sum`)."""
-  logp, logits = sequence_logprobs(models.graphdef, params, batch.tokens_BxT, batch.valid_BxT)
-  logp, old, sampler, adv, mask = map(np.asarray, (logp, batch.old_logp_BxT, batch.sampler_logp_BxT, batch.adv_BxT,
-                                                    batch.loss_mask_BxT))
-  ratio = np.exp(logp - old)
-  pg = np.maximum(-ratio * adv, -np.clip(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
-  if cfg.tis_cap:
-    w = np.exp(old - sampler)
-    pg = pg * (np.minimum(w, cfg.tis_cap) if cfg.tis_mode == "truncate" else np.where(w > cfg.tis_cap, 0.0, w))
-  n = mask.sum(1, keepdims=True)
-  if cfg.loss_agg == "token_mean":
-    w = mask / mask.sum()
-  else:  # 1 / (N_seq n_i), 1 / N_seq or 1 / (N_seq constant), with N_seq the sequences that have loss tokens
-    per_seq = dict(seq_mean_token_mean=n.clip(1), seq_mean_token_sum=1.0, constant=cfg.loss_agg_constant)[cfg.loss_agg]
-    w = mask / ((n > 0).sum() * per_seq)
-  p = jax.nn.softmax(np.asarray(logits), -1)
-  entropy = np.pad(-(p * np.log(p)).sum(-1)[:, :-1], ((0, 0), (1, 0)))
-  terms = [w * pg, -cfg.entropy_coef * w * entropy]
-  if ref_logp is not None:
-    d = ref_logp - logp
-    terms.append(kl_coef * w * (np.exp(d) - d - 1))
-  return sum(t.sum() for t in terms), sum(np.abs(t).sum() for t in terms)
 
 
 TIS = algo_config(loss_agg="seq_mean_token_mean", entropy_coef=0.05, old_logp="trainer", tis_cap=1.5)
@@ -155,7 +51,7 @@ def test_loss_equals_hand_computation(cfg):
   # Distinct behaviour log-probs, so that the ratio and the TIS weight are not 1.
   batch = batch._replace(old_logp_BxT=batch.old_logp_BxT + jnp.asarray(rng.normal(0, 0.3, (B, P + N)), jnp.float32)
                          * batch.loss_mask_BxT)
-  models, before, _, metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE), 2, batch, cfg)
+  models, before, _, metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE), 2, batch, cfg)
   assert_close_to_sum(metrics["loss"], *hand_loss(models, before["params"], batch, cfg))
   assert metrics["num_tokens"] == np.asarray(batch.loss_mask_BxT).sum()
   if cfg.tis_cap:  # some weights past the cap, so the two modes differ
@@ -166,10 +62,10 @@ def test_loss_equals_hand_computation(cfg):
 
 
 def test_kl_in_the_loss_matches_hand_computed_k3():
-  mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
+  mesh = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
   cfg = algo_config(kl_coef=0.5)
   models, state = setup(mesh, cfg)
-  _, ref_params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(7)), mesh, sharding.DEFAULT_RULES)
+  _, ref_params = sharding.create_sharded(lambda: Transformer(UPDATE_CFG, nnx.Rngs(7)), mesh, sharding.DEFAULT_RULES)
   batch = make_batch(3)
   ref, _ = logprobs_and_values(ref_params, None, batch.tokens_BxT, batch.valid_BxT, batch.loss_mask_BxT,
                                models=ModelDefs(models.graphdef), cfg=reference_cfg(cfg))
@@ -182,7 +78,7 @@ def test_kl_in_the_loss_matches_hand_computed_k3():
 
 
 def test_update_raises_logprob_of_positive_advantage_sequences():
-  mesh = sharding.make_mesh(1, 1, 1, devices=ONE)
+  mesh = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
   models, state = setup(mesh, algo_config())
   batch = make_batch(2)
   on_policy, _ = sequence_logprobs(models.graphdef, state["params"], batch.tokens_BxT, batch.valid_BxT)
@@ -204,7 +100,7 @@ def test_update_raises_logprob_of_positive_advantage_sequences():
 
 
 def test_frozen_actor_trains_only_the_critic():
-  _, before, after, metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE), 2, make_batch(4), PPO,
+  _, before, after, metrics = one_step(sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE), 2, make_batch(4), PPO,
                                        train_actor=False)
   jax.tree.map(np.testing.assert_array_equal, before["params"], after["params"])
   assert "grad_norm" not in metrics and metrics["critic_grad_norm"] > 0 and metrics["value_loss"] > 0
