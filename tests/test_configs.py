@@ -131,3 +131,11 @@ def test_mesh_sizes_take_an_optional_expert_size_in_either_spelling():
   assert sharding.mesh_sizes("1,-1,1,8", sep=",") == dict(data=1, fsdp=-1, tensor=1, expert=8)
   with pytest.raises(ValueError, match="write data,fsdp,tensor"):
     sharding.mesh_sizes("1,8", sep=",")
+
+
+def test_a_config_that_lacks_fields_of_the_recipe_is_refused_naming_them():
+  c = grpo_arith.get_config("debug")
+  del c["chat_template"]
+  del c.rl["noise_split"]
+  with pytest.raises(ValueError, match=r"lacks chat_template, rl.noise_split, .*configs/base.get_config"):
+    Experiment.create(c, devices=jax.devices()[:1])

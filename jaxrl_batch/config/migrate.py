@@ -46,3 +46,20 @@ def complete(config: dict, source: str = "config.json") -> dict:
   if filled:
     logging.info("%s predates fields of the recipe; filled with what its run did: %s.", source, ", ".join(filled))
   return out
+
+
+def check_current(config) -> None:
+  """Refuses a config (a config file's ConfigDict) that lacks fields of `ADDED`, naming them and the fix: the library
+  reads every field directly, so a config written before those fields existed would fail on the first one it reads."""
+  tree = config.to_dict() if hasattr(config, "to_dict") else config
+  missing = []
+  for name in ADDED:
+    node = tree
+    for part in name.split("."):
+      node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
+      missing.append(name)
+  if missing:
+    raise ValueError(f"The config lacks {', '.join(missing)}, fields every recipe has had since they were added. "
+                     "Build the config on configs/base.get_config (docs/configs.md), or add the fields with the values "
+                     "in jaxrl_batch/config/migrate.py's ADDED (what runs did before they existed).")

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_batch import tasks
-from jaxrl_batch.config import family
+from jaxrl_batch.config import family, migrate
 from jaxrl_batch.model import ModelConfig, Transformer
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, transfer
@@ -82,6 +82,7 @@ class Experiment:
 
   @classmethod
   def create(cls, config: ml_collections.ConfigDict, devices=None) -> "Experiment":
+    migrate.check_current(config)
     mesh = sharding.make_mesh(**config.mesh, devices=devices)
     member = family.member(config, sharding.data_parallel_size(mesh))
     task_cfg = {k: v for k, v in config.task.items() if k != "name"}
