@@ -16,6 +16,11 @@ NOT_RL = ("algo", "temperature", "critic", "share_backbone", "critic_layers", "v
           "critic_warmup_steps")
 
 
+def _need(ok: bool, message: str) -> None:
+  if not ok:
+    raise ValueError(message)
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
   """The run's `algo`, its `rl` group, the critic's fields of `critic` (named critic_* here) and the sampling
@@ -89,63 +94,74 @@ class AlgoConfig:
 
   def check(self, group_size: int) -> None:
     """Raises ValueError naming the field and the fix for every combination that cannot be trained."""
-    def need(ok: bool, message: str):
-      if not ok:
-        raise ValueError(message)
+    self._check_estimator(group_size)
+    self._check_policy_loss(group_size)
+    self._check_kl()
+    self._check_schedule()
+    self._check_critic()
 
-    need(self.algo in ALGOS, f"algo={self.algo!r}: use one of {ALGOS}.")
-    need(self.estimator in ESTIMATORS, f"rl.estimator={self.estimator!r}: use one of {ESTIMATORS}.")
-    need(self.estimator != "gae" or self.critic,
-         "rl.estimator='gae' needs a critic, which only algo='ppo' trains; use configs/ppo_arith.py or a "
-         "critic-free estimator (grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline).")
-    need(not self.critic or self.estimator == "gae",
-         f"algo='ppo' trains a critic, but rl.estimator={self.estimator!r} would not use it; set rl.estimator='gae'"
-         " or algo='grpo'.")
-    need(self.estimator not in GROUP_ESTIMATORS or group_size >= 2,
-         f"rl.estimator={self.estimator!r} compares the samples of a prompt, so it needs group_size >= 2 (got "
-         f"{group_size}); raise group_size or use reinforce_pp / gae.")
-    need(not self.dynamic_sampling or group_size >= 2,
-         "rl.dynamic_sampling drops groups whose rewards are all equal; it needs group_size >= 2.")
-    need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"rl.gamma={self.gamma}, rl.lam={self.lam}: both in [0, 1].")
-    need(0 <= self.clip_low < 1 and self.clip_high >= 0,
-         f"rl.clip_low={self.clip_low} must be in [0, 1) and rl.clip_high={self.clip_high} >= 0.")
-    need(self.dual_clip == 0 or self.dual_clip > 1,
-         f"rl.dual_clip={self.dual_clip}: the dual-clip constant must be > 1 (3 is usual), or 0 to disable.")
-    need(self.ratio_level in ("token", "sequence"), f"rl.ratio_level={self.ratio_level!r}: token | sequence.")
-    need(self.loss_agg in AGGREGATIONS, f"rl.loss_agg={self.loss_agg!r}: use one of {AGGREGATIONS}.")
-    need(self.loss_agg_constant >= 0, "rl.loss_agg_constant must be >= 0 (0 = the response budget in tokens).")
-    need(self.kl_coef >= 0, f"rl.kl_coef={self.kl_coef} must be >= 0.")
-    need(self.kl_estimator in KL_ESTIMATORS, f"rl.kl_estimator={self.kl_estimator!r}: use one of {KL_ESTIMATORS}.")
-    need(self.kl_in in ("loss", "reward"), f"rl.kl_in={self.kl_in!r}: loss | reward.")
-    need(self.kl_in == "loss" or self.kl_estimator == "k1",
-         f"rl.kl_in='reward' subtracts the per-token k1 = log(pi/pi_ref) from the reward; set rl.kl_estimator='k1'"
-         f" (got {self.kl_estimator!r}), or put the KL in the loss.")
-    need(self.kl_target >= 0 and (self.kl_target == 0 or self.kl_coef > 0),
-         f"rl.kl_target={self.kl_target}: the adaptive KL controller starts from rl.kl_coef, which must be > 0.")
-    need(self.kl_horizon > 0, "rl.kl_horizon must be > 0 (samples).")
-    need(self.epochs >= 1 and self.mini_batches >= 1,
-         f"rl.epochs={self.epochs} and rl.mini_batches={self.mini_batches} must both be >= 1.")
-    need(self.old_logp in ("sampler", "trainer"), f"rl.old_logp={self.old_logp!r}: sampler | trainer.")
-    need(self.tis_cap == 0 or (self.tis_cap >= 1 and self.old_logp == "trainer"),
-         f"rl.tis_cap={self.tis_cap}: truncated importance sampling reweights by pi_trainer / pi_sampler, so it "
-         "needs rl.old_logp='trainer' and a cap >= 1 (2 is usual), or 0 to disable.")
-    need(self.tis_mode in TIS_MODES, f"rl.tis_mode={self.tis_mode!r}: truncate (truncated IS) | mask (the decoupled "
-         "PPO objective's weight: tokens past rl.tis_cap leave the loss).")
-    need(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
-         f"rl.max_staleness={self.max_staleness}: steps generation may run ahead of the learner, an integer >= 0 "
-         "(0 = synchronous).")
-    need(self.max_sampling_rounds >= 1, "rl.max_sampling_rounds must be >= 1.")
-    need(self.overlong in ("none", "mask", "penalty"), f"rl.overlong={self.overlong!r}: none | mask | penalty.")
-    need(self.overlong_buffer >= 0 and self.overlong_penalty >= 0,
-         "rl.overlong_buffer and rl.overlong_penalty must be >= 0.")
-    need(self.entropy_coef >= 0, f"rl.entropy_coef={self.entropy_coef} must be >= 0 (a bonus; 0 = off).")
-    need(self.router_aux_loss_coef >= 0, f"rl.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (the "
-         "MoE load-balancing loss weight; 0 = off).")
-    need(not self.noise_split or group_size >= 2,
-         "rl.noise_split separates the noise between prompts from the noise between samples of one prompt, so it "
-         f"needs group_size >= 2 (got {group_size}); set rl.noise_split=False.")
-    need(not (self.share_backbone and self.critic_layers),
-         "critic.share_backbone puts the value head on the policy itself; critic.num_layers (a separate, "
-         "smaller critic) must then be 0.")
-    need(self.critic_layers >= 0 and self.vf_clip >= 0 and self.vf_coef > 0 and self.critic_warmup_steps >= 0,
-         "critic.num_layers, critic.vf_clip and critic.warmup_steps must be >= 0 and critic.vf_coef > 0.")
+  def _check_estimator(self, group_size: int) -> None:
+    _need(self.algo in ALGOS, f"algo={self.algo!r}: use one of {ALGOS}.")
+    _need(self.estimator in ESTIMATORS, f"rl.estimator={self.estimator!r}: use one of {ESTIMATORS}.")
+    _need(self.estimator != "gae" or self.critic,
+          "rl.estimator='gae' needs a critic, which only algo='ppo' trains; use configs/ppo_arith.py or a "
+          "critic-free estimator (grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline).")
+    _need(not self.critic or self.estimator == "gae",
+          f"algo='ppo' trains a critic, but rl.estimator={self.estimator!r} would not use it; set rl.estimator='gae'"
+          " or algo='grpo'.")
+    _need(self.estimator not in GROUP_ESTIMATORS or group_size >= 2,
+          f"rl.estimator={self.estimator!r} compares the samples of a prompt, so it needs group_size >= 2 (got "
+          f"{group_size}); raise group_size or use reinforce_pp / gae.")
+    _need(not self.dynamic_sampling or group_size >= 2,
+          "rl.dynamic_sampling drops groups whose rewards are all equal; it needs group_size >= 2.")
+
+  def _check_policy_loss(self, group_size: int) -> None:
+    _need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"rl.gamma={self.gamma}, rl.lam={self.lam}: both in [0, 1].")
+    _need(0 <= self.clip_low < 1 and self.clip_high >= 0,
+          f"rl.clip_low={self.clip_low} must be in [0, 1) and rl.clip_high={self.clip_high} >= 0.")
+    _need(self.dual_clip == 0 or self.dual_clip > 1,
+          f"rl.dual_clip={self.dual_clip}: the dual-clip constant must be > 1 (3 is usual), or 0 to disable.")
+    _need(self.ratio_level in ("token", "sequence"), f"rl.ratio_level={self.ratio_level!r}: token | sequence.")
+    _need(self.loss_agg in AGGREGATIONS, f"rl.loss_agg={self.loss_agg!r}: use one of {AGGREGATIONS}.")
+    _need(self.loss_agg_constant >= 0, "rl.loss_agg_constant must be >= 0 (0 = the response budget in tokens).")
+    _need(self.entropy_coef >= 0, f"rl.entropy_coef={self.entropy_coef} must be >= 0 (a bonus; 0 = off).")
+    _need(self.router_aux_loss_coef >= 0, f"rl.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (the "
+          "MoE load-balancing loss weight; 0 = off).")
+    _need(not self.noise_split or group_size >= 2,
+          "rl.noise_split separates the noise between prompts from the noise between samples of one prompt, so it "
+          f"needs group_size >= 2 (got {group_size}); set rl.noise_split=False.")
+
+  def _check_kl(self) -> None:
+    _need(self.kl_coef >= 0, f"rl.kl_coef={self.kl_coef} must be >= 0.")
+    _need(self.kl_estimator in KL_ESTIMATORS, f"rl.kl_estimator={self.kl_estimator!r}: use one of {KL_ESTIMATORS}.")
+    _need(self.kl_in in ("loss", "reward"), f"rl.kl_in={self.kl_in!r}: loss | reward.")
+    _need(self.kl_in == "loss" or self.kl_estimator == "k1",
+          f"rl.kl_in='reward' subtracts the per-token k1 = log(pi/pi_ref) from the reward; set rl.kl_estimator='k1'"
+          f" (got {self.kl_estimator!r}), or put the KL in the loss.")
+    _need(self.kl_target >= 0 and (self.kl_target == 0 or self.kl_coef > 0),
+          f"rl.kl_target={self.kl_target}: the adaptive KL controller starts from rl.kl_coef, which must be > 0.")
+    _need(self.kl_horizon > 0, "rl.kl_horizon must be > 0 (samples).")
+
+  def _check_schedule(self) -> None:
+    _need(self.epochs >= 1 and self.mini_batches >= 1,
+          f"rl.epochs={self.epochs} and rl.mini_batches={self.mini_batches} must both be >= 1.")
+    _need(self.old_logp in ("sampler", "trainer"), f"rl.old_logp={self.old_logp!r}: sampler | trainer.")
+    _need(self.tis_cap == 0 or (self.tis_cap >= 1 and self.old_logp == "trainer"),
+          f"rl.tis_cap={self.tis_cap}: truncated importance sampling reweights by pi_trainer / pi_sampler, so it "
+          "needs rl.old_logp='trainer' and a cap >= 1 (2 is usual), or 0 to disable.")
+    _need(self.tis_mode in TIS_MODES, f"rl.tis_mode={self.tis_mode!r}: truncate (truncated IS) | mask (the decoupled "
+          "PPO objective's weight: tokens past rl.tis_cap leave the loss).")
+    _need(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+          f"rl.max_staleness={self.max_staleness}: steps generation may run ahead of the learner, an integer >= 0 "
+          "(0 = synchronous).")
+    _need(self.max_sampling_rounds >= 1, "rl.max_sampling_rounds must be >= 1.")
+    _need(self.overlong in ("none", "mask", "penalty"), f"rl.overlong={self.overlong!r}: none | mask | penalty.")
+    _need(self.overlong_buffer >= 0 and self.overlong_penalty >= 0,
+          "rl.overlong_buffer and rl.overlong_penalty must be >= 0.")
+
+  def _check_critic(self) -> None:
+    _need(not (self.share_backbone and self.critic_layers),
+          "critic.share_backbone puts the value head on the policy itself; critic.num_layers (a separate, "
+          "smaller critic) must then be 0.")
+    _need(self.critic_layers >= 0 and self.vf_clip >= 0 and self.vf_coef > 0 and self.critic_warmup_steps >= 0,
+          "critic.num_layers, critic.vf_clip and critic.warmup_steps must be >= 0 and critic.vf_coef > 0.")
