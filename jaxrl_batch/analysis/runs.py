@@ -9,7 +9,6 @@ give the curve of one metric: `eval_accuracy` by default, or another evaluation 
 (`load_study(metric=...)`); a row without it is an error.
 """
 import dataclasses
-import json
 import os
 
 import numpy as np
@@ -77,7 +76,7 @@ def _read_config(run_dir: str) -> tuple[dict, str, int, int, int, int]:
     config = rundir.read_config(run_dir)["config"]
     return (config, config["optim"]["lr_rule"], int(config["batch_size"]), int(config["seed"]),
             int(config["sample_budget"]), int(config["rl"]["max_staleness"]))
-  except (json.JSONDecodeError, KeyError, TypeError) as e:
+  except (ValueError, KeyError, TypeError) as e:  # ValueError: config.json unreadable (`rundir.read_config`).
     raise ValueError(f"{rundir.config_path(run_dir)} is not a launch.train config.json (needs config.batch_size, "
                      f"config.seed, config.sample_budget, config.optim.lr_rule): {e!r}. Remove the run or rewrite "
                      "it.") from e

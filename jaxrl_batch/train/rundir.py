@@ -60,12 +60,23 @@ def tb_dir(run_dir: str) -> str:
 
 def read_config(run_dir: str) -> dict | None:
   """config.json's content, or None when the run has none yet; a config written before fields the recipe has now
-  comes back with them filled in as its run did (`config.migrate`), so readers need no fallbacks."""
+  comes back with them filled in as its run did (`config.migrate`), so readers need no fallbacks. ValueError naming
+  the file and the fix when it is not a JSON object (damaged outside the run: it is only ever written whole)."""
   path = config_path(run_dir)
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    content = json.load(f)
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    content = json.loads(data)
+    problem = None if isinstance(content, dict) else f"holds a JSON {type(content).__name__}, not an object"
+  except ValueError as e:  # json.JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8.
+    problem = f"is not valid JSON ({e})"
+  if problem:
+    raise ValueError(
+        f"{path} {problem}. The run writes it whole, then renames it into place, so it was damaged or edited outside "
+        "the run; nothing was changed. Restore it from a backup, or move this run directory aside and start the run "
+        "again in a new --workdir.")
   return dict(content, config=migrate.complete(content["config"], path)) if "config" in content else content
 
 
