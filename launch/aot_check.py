@@ -30,7 +30,7 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 from jaxrl_batch.runtime import topologies  # pylint: disable=wrong-import-position
 from jaxrl_batch.train import aot  # pylint: disable=wrong-import-position
-from launch import logs, runtime  # pylint: disable=wrong-import-position
+from launch import list_flags, logs, runtime  # pylint: disable=wrong-import-position
 
 config_flags.DEFINE_config_file("config", None, "Config file (`path.py:args`).", lock_config=True)
 flags.DEFINE_string("topology", None, "TPU slice to compile for: <chip>:<XxY[xZ]>, e.g. v5p:2x2x1, v5e:2x2, v6e:4x4.")
@@ -40,6 +40,7 @@ flags.DEFINE_integer("gpus", 8, "GPUs per node (with --gpu).", lower_bound=1)
 flags.DEFINE_integer("num_nodes", 1, "Nodes of --gpus GPUs (with --gpu).", lower_bound=1)
 flags.DEFINE_string("out", None, "Directory for aot_check.json.")
 flags.DEFINE_list("programs", list(aot.PROGRAMS), f"Programs to compile, among {','.join(aot.PROGRAMS)}.")
+list_flags.choices("programs", aot.PROGRAMS)
 flags.DEFINE_integer("prompt_tokens", 0, "Prompt length in tokens (prompt_len); 0 = the trainer's (needs the "
                      "tokenizer and the task's data).")
 flags.DEFINE_integer("response_tokens", 0, "Response budget in tokens (response_len); 0 = the trainer's.")

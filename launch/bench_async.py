@@ -33,7 +33,7 @@ from jaxrl_batch.config.args import apply_overrides
 from jaxrl_batch.study.runner import load_config_module
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
-from launch import logs
+from launch import list_flags, logs
 
 flags.DEFINE_string("config", "configs/grpo_arith.py", "Config file (`path.py:args`).")
 flags.DEFINE_list("runs", ["0", "1"], "rl.max_staleness per run, `k@n` with n rollout devices, `+key=value` "
@@ -44,6 +44,22 @@ flags.DEFINE_list("set", [], "Config overrides key=value, applied to every run."
 flags.DEFINE_string("out", "bench_async.json", "Output JSON path.")
 flags.DEFINE_string("workdir", None, "Where the runs go (default: a temporary directory).")
 FLAGS = flags.FLAGS
+
+
+def _run_problem(run: str) -> str | None:
+  """What is wrong with a --runs item `k[@n][+key=value...]`, None if nothing is."""
+  spec, *own = run.split("+")
+  staleness, _, rollout_devices = spec.partition("@")
+  if not staleness.isdigit():
+    return "does not start with rl.max_staleness, an integer >= 0"
+  if rollout_devices and not (rollout_devices.isdigit() and int(rollout_devices) >= 1):
+    return "gives rollout devices after '@' that are not an integer >= 1"
+  return next((f"has an override {o!r} that is not key=value" for o in own if "=" not in o), None)
+
+
+list_flags.check_items("runs", _run_problem, "rl.max_staleness k, optionally @n rollout devices, then +key=value "
+                       "overrides of that run", "0,1,1@1+rl.tis_cap=2")
+list_flags.overrides("set")
 
 WARMUP_STEPS = 2  # compilation; a run of staleness k also skips its next k (the generator waited on them)
 FIELDS = ("rollout_s", "reward_s", "update_s", "overlap_frac", "rollout_wait_s", "update_wait_s")

@@ -39,15 +39,18 @@ import json
 from absl import app, flags, logging
 
 from jaxrl_batch.sampling.benchmark import MODES, Settings, sweep
-from launch import logs
+from launch import list_flags, logs
 
 flags.DEFINE_list("concurrency", ["1", "2", "4", "8", "16", "32", "64"],
                   "Rows decoded together, one point each (without --rollouts).")
 flags.DEFINE_list("engine", ["static"], f"Engines measured at each point, one record each: of {MODES}.")
+list_flags.integers("concurrency", 1, "rows decoded together", "1,8,64")
+list_flags.choices("engine", MODES)
 flags.DEFINE_integer("chunk", 16, "Decode steps per host sync of the continuous engine.")
 flags.DEFINE_string("length_dist", "", "Response lengths: 'fixed:N' or 'lognormal:MEAN:MAX' ('' = --new_tokens).")
 flags.DEFINE_integer("rollouts", 0, "Requests per point, decoded on each of --slots (0 = --concurrency).")
 flags.DEFINE_list("slots", [], "Slots of each point with --rollouts (replacing --concurrency).")
+list_flags.integers("slots", 1, "slots of a point", "8,32")
 flags.DEFINE_integer("partial_budget", 0, "> 0: also emulate partial rollouts in steady state, this many decode "
                      "steps per RL step (needs --length_dist and --rollouts).")
 flags.DEFINE_integer("page_size", 16, "The paged engine's slots per page.")

@@ -31,7 +31,7 @@ from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling.benchmark import draw_lengths
 from jaxrl_batch.sampling.roofline import best_seconds, measure_machine
-from launch import logs
+from launch import list_flags, logs
 
 MODELS = {  # name -> ModelConfig fields
     "arith": dict(vocab_size=32, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, d_ff=512,
@@ -40,8 +40,21 @@ MODELS = {  # name -> ModelConfig fields
                  d_ff=2048),
 }
 
+
+def _is_length_dist(spec: str) -> bool:
+  """Whether `spec` is a response length distribution `draw_lengths` accepts."""
+  try:
+    draw_lengths(spec, 1, seed=0)
+  except ValueError:
+    return False
+  return True
+
+
 flags.DEFINE_list("models", ["arith"], f"Model shapes: {sorted(MODELS)}.")
 flags.DEFINE_list("lengths", ["lognormal:128:1024", "fixed:4"], "Response length distributions.")
+list_flags.choices("models", sorted(MODELS))
+list_flags.check_items("lengths", lambda item: None if _is_length_dist(item) else "is not a length distribution",
+                       "'fixed:N' (N >= 1) or 'lognormal:MEAN:MAX' (MEAN > 0, MAX >= 1)", "lognormal:128:1024,fixed:4")
 flags.DEFINE_integer("rollouts", 64, "Sequences per update.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per sequence.")
 flags.DEFINE_integer("micro_rows", 8, "Rows per micro-batch (padded), and T x this many tokens per packed one.")

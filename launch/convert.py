@@ -16,7 +16,7 @@ from absl import app, flags, logging
 
 from jaxrl_batch.hf import export_hf, import_hf
 from jaxrl_batch.runtime import sharding
-from launch import logs
+from launch import list_flags, logs
 
 flags.DEFINE_enum("direction", "import", ["import", "export"], "import: HF -> ours; export: ours -> HF.")
 flags.DEFINE_string("hf_dir", None, "import: the Hugging Face checkpoint directory to read.")
@@ -31,6 +31,7 @@ flags.DEFINE_string("dtype", None, "Parameter dtype written: float32 or bfloat16
 flags.DEFINE_list("mesh", ["1", "-1", "1"], "Mesh sizes data,fsdp,tensor[,expert] the params are sharded over "
                   "(expert, default 1, splits MoE experts; one size may be -1).")
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host).")
+list_flags.integers("mesh", -1, "a mesh axis size (-1 takes the remaining devices)", "1,-1,1")
 flags.mark_flags_as_required(["out"])
 FLAGS = flags.FLAGS
 

@@ -23,6 +23,7 @@ import time
 from absl import app, flags, logging
 
 from jaxrl_batch.train import rundir
+from launch import list_flags
 
 flags.DEFINE_string("workdir", None, "Directory of the runs (one subdirectory per case) and the shared base policy.")
 flags.DEFINE_string("out", "fault_injection.json", "Output JSON path.")
@@ -32,6 +33,7 @@ flags.DEFINE_integer("sample_budget", 640, "Samples per run (32 per step).")
 flags.DEFINE_integer("seed", 0, "Seed of the random kill points.")
 CASES = ("kill", "sigterm", "two_processes", "distributed_sigterm")
 flags.DEFINE_list("cases", list(CASES), f"Cases to run, of {CASES}.")
+list_flags.choices("cases", CASES)
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
@@ -176,9 +178,6 @@ def main(argv):
     with open(FLAGS.out, "w") as f:
       json.dump(report, f, indent=2)
 
-  unknown = sorted(set(FLAGS.cases) - set(CASES))
-  if unknown:
-    raise app.UsageError(f"--cases: unknown {unknown}; pick from {CASES}.")
   for i in range(FLAGS.trials if "kill" in FLAGS.cases else 0):
     workdir = os.path.join(FLAGS.workdir, f"kill_{i}")
     record(f"kill_{i}", workdir, kill_trial(workdir, span_s, rng))

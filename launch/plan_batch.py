@@ -19,7 +19,7 @@ from absl import app, flags
 
 from jaxrl_batch.analysis import planner
 from jaxrl_batch.study.runner import throughput_sweep
-from launch import logs
+from launch import list_flags, logs
 
 flags.DEFINE_string("config", None, "Config file of the study, optionally with base args.")
 flags.DEFINE_string("workdir", None, "Study directory holding analysis.json (run launch.analyze first).")
@@ -34,6 +34,9 @@ flags.DEFINE_integer("repeats", 1, "Rounds of the sweep (each batch once per rou
 flags.DEFINE_list("learn_batches", [], "Batches whose members the S(B) fit uses (default: every member that reached "
                   "the target).")
 flags.DEFINE_multi_string("set", [], "key=value override applied to every swept run (as in launch.study).")
+list_flags.integers("batches", 1, "rollouts per step", "32,64,128")
+list_flags.integers("learn_batches", 1, "rollouts per step of analysed members", "64,256")
+list_flags.overrides("set")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 

@@ -16,8 +16,9 @@ same command; the study directory must then be on a filesystem every host sees.
 """
 from absl import app, flags
 
+from jaxrl_batch.config.family import RULES
 from jaxrl_batch.study.runner import run_study
-from launch import runtime
+from launch import list_flags, runtime
 
 flags.DEFINE_string("config", None, "Config file, optionally with base args (`configs/grpo_arith.py:debug`).")
 flags.DEFINE_string("workdir", None, "Study directory; one subdirectory per member.")
@@ -27,6 +28,10 @@ flags.DEFINE_integer("seeds", 1, "Seeds per member (0 .. seeds-1).")
 flags.DEFINE_list("staleness", ["0"], "rl.max_staleness of the members: steps generation runs ahead of the learner "
                   "(0 = synchronous); a further axis of the study.")
 flags.DEFINE_multi_string("set", [], "key=value override applied to every member (repeatable).")
+list_flags.integers("batches", 1, "rollouts per step", "64,128,256")
+list_flags.choices("rules", RULES)
+list_flags.integers("staleness", 0, "steps generation runs ahead of the learner", "0,1,2")
+list_flags.overrides("set")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 

@@ -126,6 +126,8 @@ def run_study(config_path: str, workdir: str, batches: list[int], rules: list[st
 def sweep_steps(batch: int, steps: int, warmup: int, min_samples: int) -> int:
   """Training steps of a throughput-sweep run at `batch`: the compiling first step, `warmup` untimed steps, then
   max(steps - 1, ceil(min_samples / batch)) timed steps (warmup = min_samples = 0: `steps` steps, the first untimed)."""
+  if batch < 1:
+    raise ValueError(f"batch={batch}: a throughput sweep's batches are rollouts per step, integers >= 1.")
   if steps < 2 or warmup < 0 or min_samples < 0:
     raise ValueError(f"steps={steps}, warmup={warmup}, min_samples={min_samples}: the sweep needs >= 2 steps (the "
                      "first one compiles and is not timed), warmup >= 0 and min_samples >= 0.")
