@@ -1,9 +1,14 @@
-"""A run's inputs that are wrong say what is wrong and how to fix it, and change nothing: a damaged config.json."""
+"""A run's inputs that are wrong say what is wrong and how to fix it, and change nothing: a damaged config.json, a
+reward function that raises."""
+import logging
 import os
+import re
 
 import pytest
 
 from jaxrl_batch.train import rundir
+from jaxrl_batch.train.trainer import Trainer
+from tests.helpers import ONE_DEVICE, debug_config
 
 
 @pytest.mark.parametrize("content", [b"garbage{{", b'{"config": ', b"[1, 2]", b"\xff\xfe{"])
@@ -15,3 +20,17 @@ def test_damaged_config_json_is_named_with_the_fix_and_left_as_is(tmp_path, cont
   with pytest.raises(ValueError, match=rf"{path} (is not valid JSON|holds a JSON list).*Restore it from a backup"):
     rundir.read_config(str(tmp_path))
   assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def test_reward_warnings_name_the_rows_steps(base_cache, tmp_path, caplog):
+  """A reward that raises on every sample: each step's warning names the metrics row (`step`) it is counted in."""
+  trainer = Trainer(debug_config(base_cache, sample_budget=64), str(tmp_path / "run"), devices=ONE_DEVICE)
+
+  def broken(completion, problem):
+    raise ZeroDivisionError("a broken verifier")
+  trainer.exp.task.reward = broken
+  with caplog.at_level(logging.WARNING):
+    trainer.run()
+  rows = [r for r in rundir.read_metrics(trainer.workdir) if "reward_errors" in r]
+  warned = [int(m) for m in re.findall(r"Step (\d+): the reward function raised on 32 of 32", caplog.text)]
+  assert warned == [r["step"] for r in rows if r["reward_errors"] == 32] == [1, 2]

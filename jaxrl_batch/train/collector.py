@@ -160,7 +160,8 @@ class Collector:
     scores = scoring.result()
     failures = scores.failures()
     if failures:
-      logging.warning("Step %d: the reward function %s", step, failures)
+      # Named as its metrics row (`step`: steps done, so step index s trains as row s + 1).
+      logging.warning("Step %d: the reward function %s", step + 1, failures)
     device = (prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN, out.experts_BxTxLxK)
     return dict(device=device, task_rewards_B=scores.rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
                 problems_B=problems_B, completions_B=scores.completions_B, errors=scores.errors,

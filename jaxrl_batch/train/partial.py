@@ -217,7 +217,8 @@ class PartialCollector(Collector):
     scores = self.exp.scorer.score(completions, [s["problem"] for s in ended])
     failures = scores.failures()
     if failures:
-      logging.warning("Step %d: the reward function %s", step, failures)
+      # Named as its metrics row (`step`: steps done, so step index s trains as row s + 1).
+      logging.warning("Step %d: the reward function %s", step + 1, failures)
     for seq, reward in zip(ended, scores.rewards_B):
       seq["reward"] = float(reward)
       self.finished[seq["uid"]] = seq
