@@ -42,8 +42,11 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
 
   # Scoring, for any task (may change on resume): a reward past the timeout scores 0 and is counted
   # (`reward_timeouts`); threads running the reward function; with the continuous engine, score responses as they
-  # end, while decoding goes on. The family adds its task's fields (`name`: jaxrl_batch.tasks.TASKS).
-  c.task = ml_collections.ConfigDict(dict(reward_timeout_s=30.0, reward_workers=1, stream_rewards=True))
+  # end, while decoding goes on; the run stops with an error after this many consecutive steps in which the reward
+  # function raised (or timed out) on every sample, since those steps learn nothing (0 = never stops). The family
+  # adds its task's fields (`name`: jaxrl_batch.tasks.TASKS).
+  c.task = ml_collections.ConfigDict(dict(reward_timeout_s=30.0, reward_workers=1, stream_rewards=True,
+                                          max_failed_reward_steps=5))
   c.tokenizer_path = ""  # SentencePiece .model file; "" uses the task's bundled tokenizer (with init_from, its own).
   c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.
   c.chat_template = "none"  # Prompt wrapping: auto (from the tokenizer) | none | chatml | ...

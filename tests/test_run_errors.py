@@ -22,14 +22,19 @@ def test_damaged_config_json_is_named_with_the_fix_and_left_as_is(tmp_path, cont
   assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
 
 
-def test_reward_warnings_name_the_rows_steps(base_cache, tmp_path, caplog):
-  """A reward that raises on every sample: each step's warning names the metrics row (`step`) it is counted in."""
-  trainer = Trainer(debug_config(base_cache, sample_budget=64), str(tmp_path / "run"), devices=ONE_DEVICE)
+def test_a_reward_that_always_raises_stops_the_run_naming_it(base_cache, tmp_path, caplog):
+  """A reward that raises on every sample: each step's warning names the metrics row (`step`) that counts the
+  errors, and task.max_failed_reward_steps such steps in a row stop the run with an error naming the reward, after
+  writing the rows of the steps that ran."""
+  config = debug_config(base_cache, sample_budget=96, **{"task.max_failed_reward_steps": 2})
+  trainer = Trainer(config, str(tmp_path / "run"), devices=ONE_DEVICE)
 
   def broken(completion, problem):
     raise ZeroDivisionError("a broken verifier")
   trainer.exp.task.reward = broken
-  with caplog.at_level(logging.WARNING):
+  with caplog.at_level(logging.WARNING), pytest.raises(
+      RuntimeError, match=r"reward function (tests\.)?test_run_errors\..*broken failed on every sample of 2 consecutive "
+      r"steps.*step 2: 32 of 32 raised.*task.max_failed_reward_steps=2\. .*Fix the reward function, then rerun"):
     trainer.run()
   rows = [r for r in rundir.read_metrics(trainer.workdir) if "reward_errors" in r]
   warned = [int(m) for m in re.findall(r"Step (\d+): the reward function raised on 32 of 32", caplog.text)]

@@ -28,6 +28,7 @@ ADDED = {
     "rl.max_staleness": 0,  # Synchronous.
     "rl.noise_split": False,  # noise_scale alone.
     "rl.router_aux_loss_coef": 0.0,  # No load-balancing term in the loss.
+    "task.max_failed_reward_steps": 0,  # Runs went on whatever their reward function did.
 }
 
 

@@ -12,6 +12,8 @@ SCORING_FIELDS = {
     "reward_timeout_s": 30.0,  # Seconds one sample's reward may take; past it it scores 0 and is counted. 0 = none.
     "reward_workers": 1,  # Threads running the reward function (raise it for verifiers that wait on I/O).
     "stream_rewards": True,  # Continuous engine: score responses as they end, while decoding goes on.
+    # Consecutive steps whose every sample's reward failed before the trainer stops the run (0 = never).
+    "max_failed_reward_steps": 5,
 }
 
 TASKS = {  # name -> "module:class"

@@ -34,8 +34,8 @@ TB = "tb"
 # Config fields (dotted names) that may change when a run resumes; any other difference from config.json is refused.
 RESUMABLE_FIELDS = ("log_every_steps", "log_samples_every_steps", "log_samples_count", "log_samples_max_chars",
                     "eval_every_samples", "checkpoint_every_samples", "sft", "eval",
-                    "task.reward_timeout_s", "task.reward_workers", "task.stream_rewards", "writers", "wandb",
-                    "stop_at_accuracy")
+                    "task.reward_timeout_s", "task.reward_workers", "task.stream_rewards",
+                    "task.max_failed_reward_steps", "writers", "wandb", "stop_at_accuracy")
 
 
 def config_path(run_dir: str) -> str:

@@ -81,6 +81,7 @@ class Trainer:
     self._pending = None  # (counters, RolloutStats, timing, device metrics) of a step: its row, once fetched.
     self._last_row = {}
     self._warned_uniform = False
+    self._failed_reward_steps = 0  # Consecutive steps whose every sample's reward failed (`_check_rewards`).
 
   @property
   def _carries_rollouts(self) -> bool:
@@ -168,6 +169,25 @@ class Trainer:
         "checkpoint before the collapse (launch.train --branch_from, --branch_step) or start a new --workdir, with "
         "a lower optim.base_lr (or optim.lr) or a tighter optim.grad_clip.", row["step"], row["entropy"],
         100 * row["entropy"] / max_entropy, max_entropy, row["lr"])
+
+  def _check_rewards(self, stats, step: int) -> None:
+    """Stops the run (RuntimeError) at the `task.max_failed_reward_steps`-th consecutive step in which the reward
+    function raised, returned a non-finite value or timed out on every sample: such steps learn nothing, and a run
+    that went on would end with exit 0 and accuracy 0."""
+    failed = 0 < stats.samples_generated <= stats.reward_errors + stats.reward_timeouts
+    self._failed_reward_steps = self._failed_reward_steps + 1 if failed else 0
+    limit = self.config.task.max_failed_reward_steps
+    if not limit or self._failed_reward_steps < limit:
+      return
+    reward = self.exp.task.reward
+    name = f"{getattr(reward, '__module__', '')}.{getattr(reward, '__qualname__', repr(reward))}"
+    raise RuntimeError(
+        f"The reward function {name} failed on every sample of {self._failed_reward_steps} consecutive steps, so "
+        f"they learned nothing (step {step}: {stats.reward_errors} of {stats.samples_generated} raised or returned a "
+        f"non-finite value, {stats.reward_timeouts} ran past task.reward_timeout_s); stopped at "
+        f"task.max_failed_reward_steps={limit}. Each step's first error is logged above ('Step k: the reward "
+        "function ...'). Fix the reward function, then rerun the same command: the run resumes from its last "
+        "checkpoint (saved rows and checkpoints are kept). task.max_failed_reward_steps=0 never stops.")
 
   def _nan_advice(self) -> str:
     latest = self.checkpointer.latest_step()
@@ -329,6 +349,7 @@ class Trainer:
       counters = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(),
                       cold=step == first_step + 1)
       self._pending = (counters, stats, timing, device_metrics)
+      self._check_rewards(stats, step)
       crossed = lambda every: every > 0 and samples // every > previous // every
       done = samples >= m.sample_budget
       stop = signals is not None and signals.should_stop(step)
