@@ -45,6 +45,7 @@ def test_sweep_in_the_token_budget_mode(tmp_path):
   assert two["kv_bytes"] == 2 * one["kv_bytes"] and two["weight_bytes"] == one["weight_bytes"]
 
 
+@pytest.mark.parity
 def test_side_by_side_with_hugging_face(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")

@@ -10,8 +10,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 # What .ci/run executes, character for character.
 CI_COMMANDS = (
     "pip install -e '.[test]' && pytest -q -n 2",
-    "pip install -e '.[test,parity]' && pytest -q tests/test_hf_parity.py tests/test_hf_tokenizer.py "
-    "tests/test_bench_rollout.py",
+    "pip install -e '.[test,parity]' && pytest -q -m parity",
 )
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.parity
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")

@@ -206,6 +206,7 @@ TURNS = [dict(role="user", content=" 2+2? "), dict(role="assistant", content="4\
 CONVERSATIONS = [[dict(role="user", content="Hi\nthere")], TURNS, [dict(role="system", content="Be brief.")] + TURNS]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("family", TEMPLATES)
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 def test_parity_with_transformers(bpe, tmp_path, family, conversation):
