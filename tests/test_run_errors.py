@@ -1,12 +1,20 @@
 """A run's inputs that are wrong say what is wrong and how to fix it, and change nothing: a damaged config.json, a
-reward function that raises."""
+reward function that raises, an oversized prompt in a data file."""
+import json
 import logging
 import os
 import re
 
 import pytest
 
+from configs import grpo_gsm8k_qwen
+from jaxrl_batch.config import migrate
+from jaxrl_batch.tasks import gsm8k, make_task
+from jaxrl_batch.tasks.jsonl_task import DEFAULT_CONTEXT, SAMPLES_DIR
+from jaxrl_batch.tasks.sample_tokenizer import PATH as SAMPLE_TOKENIZER
+from jaxrl_batch.text.loading import load_tokenizer
 from jaxrl_batch.train import rundir
+from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.train.trainer import Trainer
 from tests.helpers import ONE_DEVICE, debug_config
 
@@ -39,3 +47,49 @@ def test_a_reward_that_always_raises_stops_the_run_naming_it(base_cache, tmp_pat
   rows = [r for r in rundir.read_metrics(trainer.workdir) if "reward_errors" in r]
   warned = [int(m) for m in re.findall(r"Step (\d+): the reward function raised on 32 of 32", caplog.text)]
   assert warned == [r["step"] for r in rows if r["reward_errors"] == 32] == [1, 2]
+
+
+def _gsm8k_file(tmp_path, long_question: str, at_line: int = 3) -> str:
+  """The bundled GSM8K sample with `long_question` as the question of line `at_line`."""
+  lines = open(os.path.join(SAMPLES_DIR, gsm8k.Gsm8kTask.sample_file)).read().splitlines()
+  row = json.loads(lines[at_line - 1])
+  lines[at_line - 1] = json.dumps(dict(row, question=long_question))
+  path = tmp_path / "train.jsonl"
+  path.write_text("\n".join(lines) + "\n")
+  return str(path)
+
+
+def test_an_oversized_prompt_is_skipped_naming_its_file_line_and_length(tmp_path, caplog):
+  """A 200 kB question is skipped (the default cap: the model's context less the response budget), not sized into
+  every step's prompt buffer and KV cache."""
+  config = grpo_gsm8k_qwen.get_config("model=tiny_random")
+  config.task.path = _gsm8k_file(tmp_path, "How many? " * 20_000)
+  config.mesh.data = 1
+  with caplog.at_level(logging.WARNING):
+    exp = Experiment.create(config, devices=ONE_DEVICE)
+  assert exp.prompt_len < 200
+  assert re.search(rf"Skipped 1 rows whose prompt is longer than \d+ tokens \(the model's context of {DEFAULT_CONTEXT} "
+                   rf"tokens less the response budget .*\): {config.task.path}, line 3: \d{{5,}} tokens\.", caplog.text)
+
+
+def test_max_prompt_tokens_skips_longer_rows_and_refuses_to_skip_them_all(tmp_path, caplog):
+  tokenizer = load_tokenizer(SAMPLE_TOKENIZER)
+  longest = make_task("gsm8k", {}).max_prompt_len(tokenizer)  # Of the bundled sample.
+  path = _gsm8k_file(tmp_path, "How many apples are there? " * 100)
+  task = make_task("gsm8k", {"path": path, "max_prompt_tokens": longest})
+  rows = len(task._train) + len(task._eval)
+  with caplog.at_level(logging.WARNING):
+    task.skip_long_prompts(tokenizer, context=None)
+  assert len(task._train) + len(task._eval) == rows - 1 and task.max_prompt_len(tokenizer) <= longest
+  assert re.search(rf"Skipped 1 rows .* than {longest} tokens \(task.max_prompt_tokens={longest}\): {path}, line 3: "
+                   r"\d+ tokens\.", caplog.text)
+  with pytest.raises(ValueError, match=rf"Every training row of {path} has a prompt longer than 1 tokens .*raise "
+                     "task.max_prompt_tokens"):
+    make_task("gsm8k", {"path": path, "max_prompt_tokens": 1}).skip_long_prompts(tokenizer, context=None)
+
+
+def test_a_gsm8k_config_json_from_before_max_prompt_tokens_still_resumes():
+  new = json.loads(grpo_gsm8k_qwen.get_config("model=tiny_random").to_json())
+  old = json.loads(json.dumps(new))
+  del old["task"]["max_prompt_tokens"]
+  assert rundir.config_diff(migrate.complete(old), new) == []

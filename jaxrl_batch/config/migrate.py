@@ -4,7 +4,8 @@ Each entry of `ADDED` is a dotted field and the value that does what a run writt
 It is history, not a default (configs/base.py holds the defaults of new runs): an entry never changes once written,
 and a field added to the recipe gets one. `complete` fills the missing fields into a saved config when config.json
 is read (`train.rundir.read_config`: resume, branch, analysis), so that the library reads every field directly. Keys
-that no recipe has are kept: a resume then refuses the run as a different config, as before.
+that no recipe has are kept: a resume then refuses the run as a different config, as before. `ADDED_TASK` does the
+same for fields added to the `task` group of some tasks only.
 """
 import copy
 import logging
@@ -31,6 +32,12 @@ ADDED = {
     "task.max_failed_reward_steps": 0,  # Runs went on whatever their reward function did.
 }
 
+# Task field -> (the tasks whose group has it, the value of a run written before it); filled where task.name is one.
+ADDED_TASK = {
+    # The cap derived from the model's context: a longer prompt left no room in it for a response.
+    "max_prompt_tokens": (("gsm8k", "math", "countdown"), 0),
+}
+
 
 def complete(config: dict, source: str = "config.json") -> dict:
   """A copy of the saved `config` (config.json's "config") with every field of `ADDED` it lacks filled in; a log
@@ -44,6 +51,11 @@ def complete(config: dict, source: str = "config.json") -> dict:
     if isinstance(node, dict) and key not in node:
       node[key] = copy.deepcopy(value)
       filled.append(f"{name}={value!r}")
+  task = out.get("task")
+  for key, (names, value) in ADDED_TASK.items():
+    if isinstance(task, dict) and task.get("name") in names and key not in task:
+      task[key] = value
+      filled.append(f"task.{key}={value!r}")
   if filled:
     logging.info("%s predates fields of the recipe; filled with what its run did: %s.", source, ", ".join(filled))
   return out

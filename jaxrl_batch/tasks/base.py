@@ -28,6 +28,10 @@ class Task(Protocol):
   rewards: the winning answer is graded by the reward of a sample that gave it. None means no answer (no vote); it
   never raises. A task without it (countdown, where many different answers are correct) logs no maj@k.
 
+  Optional: `skip_long_prompts(tokenizer, context)`, called once the tokenizer is known: drops the problems whose
+  prompt is too long for a model of `context` tokens (None: it declares none), naming each (`jsonl_task`: rows read
+  from user files).
+
   Optional: `sft_problems(seed, step, num)`, the warm start's problems when they should differ from
   `train_problems` (`long_addition` warm-starts on short problems only).
   """

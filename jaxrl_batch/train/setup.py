@@ -40,6 +40,13 @@ def check_pretrained_shape(hf_dir: str, model_cfg: ModelConfig) -> None:
                      "model= preset or set those fields.")
 
 
+def pretrained_context(hf_dir: str) -> int | None:
+  """Positions the Hugging Face checkpoint in `hf_dir` was trained for (config.json's max_position_embeddings), or
+  None when it does not say."""
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    return json.load(f).get("max_position_embeddings")
+
+
 def packing_for(tokens: int, length: int, data_parallel: int) -> packing_lib.Packing | None:
   """Packed micro-batches of `tokens` (`micro_batch_tokens`): rows of `length` = prompt_len + response_len tokens, so
   any sequence fits one, tokens // length rows each; None for 0 (micro-batches of `micro_batch_size` padded rows)."""
@@ -93,6 +100,9 @@ class Experiment:
     if init_from:
       check_pretrained_shape(init_from, model_cfg)
     tokenizer_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+    skip_long_prompts = getattr(task, "skip_long_prompts", None)  # Tasks on user files (`tasks.jsonl_task`).
+    if skip_long_prompts:
+      skip_long_prompts(tokenizer, pretrained_context(init_from) if init_from else None)
     chat = chat_template_lib.resolve(config.chat_template, tokenizer.chat_template)
     # A template adds the same tokens around every prompt; 4 spare columns absorb merges at its boundaries.
     overhead = len(tokenizer.encode(chat_template_lib.render_prompt(chat, ""))) + 4 if chat else 0
