@@ -1,14 +1,16 @@
 """A run's inputs that are wrong say what is wrong and how to fix it, and change nothing: a damaged config.json, a
-reward function that raises, an oversized prompt in a data file."""
+reward function that raises, an oversized prompt in a data file; and SIGTERM in the warm start is honoured."""
 import json
 import logging
 import os
 import re
+import signal
 
 import pytest
 
 from configs import grpo_gsm8k_qwen
 from jaxrl_batch.config import migrate
+from jaxrl_batch.runtime.preemption import Stopped
 from jaxrl_batch.tasks import gsm8k, make_task
 from jaxrl_batch.tasks.jsonl_task import DEFAULT_CONTEXT, SAMPLES_DIR
 from jaxrl_batch.tasks.sample_tokenizer import PATH as SAMPLE_TOKENIZER
@@ -93,3 +95,22 @@ def test_a_gsm8k_config_json_from_before_max_prompt_tokens_still_resumes():
   old = json.loads(json.dumps(new))
   del old["task"]["max_prompt_tokens"]
   assert rundir.config_diff(migrate.complete(old), new) == []
+
+
+def test_sigterm_in_the_warm_start_stops_it_at_the_next_sft_step(base_cache, tmp_path, monkeypatch):
+  """SIGTERM before the first SFT step (as it would come during any): the run stops there, exit code 128 + 15 from
+  `launch.train`, with nothing cached or written, instead of finishing the warm start and an RL step first."""
+  cache = tmp_path / "base"
+  trainer = Trainer(debug_config(str(cache)), str(tmp_path / "run"), devices=ONE_DEVICE)
+  check_workdir = Trainer.check_workdir
+
+  def check_then_signal(self):
+    check_workdir(self)
+    signal.raise_signal(signal.SIGTERM)
+  monkeypatch.setattr(Trainer, "check_workdir", check_then_signal)
+  with pytest.raises(Stopped, match=r"Stopped on SIGTERM at SFT step 0 of 1000, before the warm start finished.*"
+                     "Rerun the same command") as stopped:
+    trainer.run()
+  assert stopped.value.signum == signal.SIGTERM
+  assert not any(name.isdigit() for _, _, names in os.walk(cache) for name in names)
+  assert sorted(os.listdir(trainer.workdir)) == [rundir.LOCK]

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 
 import jax
@@ -23,6 +24,7 @@ from jaxrl_batch.rl import losses
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import streams
 from jaxrl_batch.runtime.checkpointing import Checkpointer
+from jaxrl_batch.runtime.preemption import Stopped
 from jaxrl_batch.train.evaluation import eval_accuracy
 from jaxrl_batch.train.setup import Experiment
 
@@ -100,8 +102,25 @@ def base_dir(exp: Experiment) -> str:
   return os.path.join(root, cache_key(exp))
 
 
-def train(exp: Experiment):
-  """Trains the base policy from scratch; returns (graphdef, params, held-out accuracy)."""
+class StoppedInWarmStart(Stopped):
+  """A signal stopped the run in its supervised warm start: at an SFT step boundary, where nothing of the warm start
+  is cached yet (the base policy is saved only once trained), or once it was trained and cached in `cached`. Either
+  way the run has no step yet."""
+
+  def __init__(self, signum: int, sft_step: int, sft_steps: int, cached: str = ""):
+    name = signal.Signals(signum).name
+    Exception.__init__(  # pylint: disable=non-parent-init-called  (Stopped's message names a saved checkpoint)
+        self, f"Stopped on {name} once the warm start was trained and cached in {cached}, before the run's first "
+        "step. Rerun the same command to start from it." if cached else
+        f"Stopped on {name} at SFT step {sft_step} of {sft_steps}, before the warm start finished: the base policy "
+        "is cached only once trained, so nothing of it was saved, and the run had not started. Rerun the same "
+        "command to train the warm start again.")
+    self.signum, self.step = signum, 0
+
+
+def train(exp: Experiment, stop_signal=None):
+  """Trains the base policy from scratch; returns (graphdef, params, held-out accuracy). `stop_signal()`: the signal
+  that asked the run to stop, or None; checked before every SFT step (StoppedInWarmStart)."""
   c = exp.config.sft
   graphdef, params = exp.init_params(streams.init_seed(exp.config.seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, max(c.steps, c.warmup_steps + 1))
@@ -111,6 +130,8 @@ def train(exp: Experiment):
   start = time.time()
   draw = getattr(exp.task, "sft_problems", exp.task.train_problems)  # A task may warm-start on its own mix.
   for step in range(c.steps):
+    if stop_signal is not None and stop_signal():
+      raise StoppedInWarmStart(stop_signal(), step, c.steps)
     problems = draw(streams.sft_prompt_seed(exp.config.seed), step, c.batch_size)
     batch = exp.shard_batch(sft_arrays(exp, problems, streams.sft_format_rng(exp.config.seed, step)))
     with jax.set_mesh(exp.mesh):
@@ -133,21 +154,27 @@ def pretrained(exp: Experiment):
   return graphdef, params, path
 
 
-def load_or_train(exp: Experiment, directory: str | None = None):
-  """The cached base policy for `exp` (training and caching it first if absent): (graphdef, params, path)."""
+def load_or_train(exp: Experiment, directory: str | None = None, stop_signal=None):
+  """The cached base policy for `exp` (training and caching it first if absent): (graphdef, params, path).
+  `stop_signal`: see `train`."""
   if exp.config.init_from:
     return pretrained(exp)
   directory = directory or base_dir(exp)
   graphdef, abstract = exp.abstract_params()
   ckpt = Checkpointer(directory, max_to_keep=1)
-  if ckpt.latest_step() is not None:
-    logging.info("Reusing the cached base policy at %s.", directory)
-    params, meta = ckpt.restore(abstract)
-    logging.info("Base policy held-out accuracy (at creation): %.3f.", meta["eval_accuracy"])
-  else:
-    logging.info("No cached base policy at %s: training it first (SFT, %d steps).", directory,
-                 exp.config.sft.steps)
-    graphdef, params, accuracy = train(exp)
-    ckpt.save(0, params, dict(eval_accuracy=accuracy, sft=exp.config.sft.to_dict(), tokenizer=exp.tokenizer.path))
-  ckpt.close()
+  trained = ckpt.latest_step() is None
+  try:
+    if not trained:
+      logging.info("Reusing the cached base policy at %s.", directory)
+      params, meta = ckpt.restore(abstract)
+      logging.info("Base policy held-out accuracy (at creation): %.3f.", meta["eval_accuracy"])
+    else:
+      logging.info("No cached base policy at %s: training it first (SFT, %d steps).", directory,
+                   exp.config.sft.steps)
+      graphdef, params, accuracy = train(exp, stop_signal)
+      ckpt.save(0, params, dict(eval_accuracy=accuracy, sft=exp.config.sft.to_dict(), tokenizer=exp.tokenizer.path))
+  finally:
+    ckpt.close()  # The save completes; also when a signal stopped the training.
+  if trained and stop_signal is not None and stop_signal():  # It came during the evaluation or the save.
+    raise StoppedInWarmStart(stop_signal(), exp.config.sft.steps, exp.config.sft.steps, cached=directory)
   return graphdef, params, directory

@@ -229,9 +229,10 @@ class Trainer:
                            score_num_micro=m.score_num_micro)
     return state
 
-  def start(self) -> tuple[dict, dict]:
+  def start(self, signals: StopSignals | None = None) -> tuple[dict, dict]:
     """Opens the run: checks and writes the run directory, loads the base policy, restores the latest checkpoint.
-    Returns (state, progress dict: step, samples, samples_generated, wall_s, kl_coef)."""
+    Returns (state, progress dict: step, samples, samples_generated, wall_s, kl_coef). A signal in `signals` stops
+    a warm start in training (`sft.StoppedInWarmStart`)."""
     exp, algo = self.exp, self.algo
     exp.log_layout()
     logging.info("%s", self.member.describe())
@@ -243,8 +244,9 @@ class Trainer:
     seeding = branch.pending(self.branch_from, self.workdir)
     if not seeding:  # A branch's seeding replaces whatever an interrupted seeding left.
       rundir.check_resumable(self.workdir)
+    stop_signal = None if signals is None else lambda: signals.received
     with transfer.scope("base_policy"):  # The warm start (trained or restored) moves whole trees.
-      self.graphdef, base_params, base_dir = sft.load_or_train(exp)
+      self.graphdef, base_params, base_dir = sft.load_or_train(exp, stop_signal=stop_signal)
     # The reference policy is held only when a KL term exists.
     self.ref_params = jax.tree.map(lambda x: x.copy(), base_params) if algo.use_kl else None
     state = self._initial_state(base_params)
@@ -280,7 +282,7 @@ class Trainer:
     try:
       # Also while a pending save completes: a first signal cannot abandon it. The writers close on any exit.
       with StopSignals() as signals, self.metrics:
-        state, progress = self.start()
+        state, progress = self.start(signals)
         try:
           return self.loop(state, progress, signals)
         except Exception:
