@@ -11,6 +11,7 @@ from absl import app, flags, logging
 
 from jaxrl_batch.config.args import unknown_key
 from jaxrl_batch.runtime import distributed
+from jaxrl_batch.runtime.disk_space import DiskFull
 from jaxrl_batch.runtime.preemption import Stopped
 from jaxrl_batch.train.workdir_lock import WorkdirBusy
 from launch import logs
@@ -54,13 +55,13 @@ def setup() -> None:
 
 
 def run_to_exit(work: Callable[[], object]) -> None:
-  """Runs `work()`. A stop on a signal (checkpoint saved) exits with 128 + the signal's number and a workdir held by
-  another process with 1, each after its one-line message; other errors propagate."""
+  """Runs `work()`. A stop on a signal (checkpoint saved) exits with 128 + the signal's number, and a workdir held by
+  another process or a full disk with 1, each after its one-line message; other errors propagate."""
   try:
     work()
   except Stopped as e:
     logging.warning("%s", e)
     sys.exit(128 + e.signum)
-  except WorkdirBusy as e:
+  except (WorkdirBusy, DiskFull) as e:
     logging.error("%s", e)
     sys.exit(1)

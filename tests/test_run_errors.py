@@ -1,15 +1,22 @@
 """A run's inputs that are wrong say what is wrong and how to fix it, and change nothing: a damaged config.json, a
-reward function that raises, an oversized prompt in a data file; and SIGTERM in the warm start is honoured."""
+reward function that raises, an oversized prompt in a data file, a full disk; and SIGTERM in the warm start is
+honoured."""
+import errno
+import io
 import json
 import logging
 import os
 import re
 import signal
 
+import jax.numpy as jnp
 import pytest
 
 from configs import grpo_gsm8k_qwen
 from jaxrl_batch.config import migrate
+from jaxrl_batch.runtime import disk_space
+from jaxrl_batch.runtime.checkpointing import Checkpointer, saved_steps
+from jaxrl_batch.runtime.disk_space import DiskFull
 from jaxrl_batch.runtime.preemption import Stopped
 from jaxrl_batch.tasks import gsm8k, make_task
 from jaxrl_batch.tasks.jsonl_task import DEFAULT_CONTEXT, SAMPLES_DIR
@@ -18,6 +25,7 @@ from jaxrl_batch.text.loading import load_tokenizer
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.train.trainer import Trainer
+from launch import runtime
 from tests.helpers import ONE_DEVICE, debug_config
 
 
@@ -114,3 +122,80 @@ def test_sigterm_in_the_warm_start_stops_it_at_the_next_sft_step(base_cache, tmp
   assert stopped.value.signum == signal.SIGTERM
   assert not any(name.isdigit() for _, _, names in os.walk(cache) for name in names)
   assert sorted(os.listdir(trainer.workdir)) == [rundir.LOCK]
+
+
+# -- a full disk -----------------------------------------------------------------------------------------------------
+
+def test_a_checkpoint_the_disk_has_no_room_for_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+  directory = str(tmp_path / "checkpoints")
+  ckpt = Checkpointer(directory)
+  ckpt.save(1, {"w": jnp.arange(4096.0)}, dict(step=1))
+  ckpt.wait_until_finished()
+  monkeypatch.setattr(disk_space, "free_bytes", lambda path: 1000)
+  needed = disk_space.size(disk_space.used_bytes(os.path.join(directory, "1")))  # The latest checkpoint's size.
+  with pytest.raises(DiskFull, match=rf"for the checkpoint of step 2 in {directory}: it needs about {needed}, and "
+                     r"1.0 kB are free .*Nothing already saved was lost.* then rerun the same command"):
+    ckpt.save(2, {"w": jnp.arange(4096.0)}, dict(step=2))
+  assert sorted(os.listdir(directory)) == ["1"]
+  # A save that fails for want of space all the same (orbax raises tensorstore's error) is a DiskFull too.
+  monkeypatch.setattr(disk_space, "free_bytes", lambda path: 10**12)
+  def no_room(*args, **kwargs):
+    raise ValueError("RESOURCE_EXHAUSTED: Error writing ... Failed to write 9800 bytes to file 5: No space left on "
+                     "device [os_error_code='28']")
+  monkeypatch.setattr(ckpt._manager, "save", no_room)
+  with pytest.raises(DiskFull, match=rf"for the checkpoint of step 3 in {directory}: it needs about {needed}"):
+    ckpt.save(3, {"w": jnp.arange(4096.0)}, dict(step=3))
+  ckpt.close()
+  assert saved_steps(directory) == [1]
+
+
+class _FullDisk(io.FileIO):
+  """A file on a disk with room for 10 more bytes."""
+
+  def write(self, data):
+    if self.tell() >= _FullDisk.end:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return super().write(bytes(data[:_FullDisk.end - self.tell()]))
+
+
+def test_metrics_rows_the_disk_has_no_room_for_leave_metrics_jsonl_as_it_was(tmp_path, monkeypatch):
+  log = rundir.MetricsLog(str(tmp_path))
+  log.write(dict(step=1, samples=32, reward_mean=0.5))
+  before = open(log.path, "rb").read()
+  _FullDisk.end = len(before) + 10
+  def full_open(path, mode="r", buffering=-1):
+    if "r" in mode:
+      return open(path, mode)
+    raw = _FullDisk(path, mode.replace("b", ""))
+    return raw if buffering == 0 else io.BufferedWriter(raw)
+  monkeypatch.setattr(rundir, "open", full_open, raising=False)
+  with pytest.raises(DiskFull, match=rf"for the row of step 2 in {log.path}: it needs about \d+ bytes, and .* free"):
+    log.write(dict(step=2, samples=64, reward_mean=0.25))
+  assert open(log.path, "rb").read() == before  # Not a torn row: the 10 bytes written are cut off again.
+  _FullDisk.end = 10
+  with pytest.raises(DiskFull, match=rf"for writing {log.path}: "):
+    log.truncate_after(1)  # Rewritten whole (to a temporary file): the old content stays.
+  assert os.listdir(tmp_path) == [rundir.METRICS] and open(log.path, "rb").read() == before
+
+
+def test_a_full_disk_stops_the_run_with_one_error_saying_where_a_rerun_resumes(base_cache, tmp_path, monkeypatch,
+                                                                               caplog):
+  """A write that finds no room (here one the run directory module does not make, so the error is the OS's): the
+  run stops with DiskFull naming the file, the space free and the checkpoint a rerun resumes from; `launch.train`
+  logs it alone and exits with 1. (A checkpoint with no room is refused by the checkpointer, tested above.)"""
+  trainer = Trainer(debug_config(base_cache), str(tmp_path / "run"), devices=ONE_DEVICE)
+  path = os.path.join(trainer.workdir, "samples.jsonl")
+
+  def start(self, signals):
+    os.makedirs(os.path.join(rundir.checkpoints_dir(self.workdir), "4"))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+  monkeypatch.setattr(Trainer, "start", start)
+  monkeypatch.setattr(disk_space, "free_bytes", lambda path: 2048)
+  with pytest.raises(DiskFull) as full:
+    trainer.run()
+  assert re.fullmatch(rf"No space left on device for a write to {path}: 2.0 kB are free on that filesystem\. Nothing "
+                      r"already saved was lost or changed\. Free space there .*, then rerun the same command: the run "
+                      r"resumes from its checkpoint of step 4\.", str(full.value))
+  with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exit_:
+    runtime.run_to_exit(lambda: (_ for _ in ()).throw(full.value))
+  assert exit_.value.code == 1 and caplog.messages == [str(full.value)]

@@ -3,7 +3,10 @@
 A checkpoint is never saved with non-finite state (`all_finite` is the caller's check), and restoring falls back
 from an unusable latest checkpoint (unreadable, or holding non-finite values) to the newest usable one, setting the
 unusable ones aside under `<directory>_unusable/` (kept, never deleted) so that later saves can take their steps.
+A save that the filesystem has no room for is refused before anything is written (`disk_space.DiskFull`).
 """
+import contextlib
+import json
 import logging
 import os
 import shutil
@@ -12,8 +15,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from jaxrl_batch.runtime import disk_space
 
 
 class NoUsableCheckpoint(RuntimeError):
@@ -25,6 +31,18 @@ def all_finite(tree) -> jax.Array:
   """Scalar bool: every floating-point leaf of `tree` is finite."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def saved_steps(directory: str) -> list[int]:
+  """The steps of the complete checkpoints in `directory`, oldest first, read from the disk (orbax renames a step's
+  directory to its number once the save is complete)."""
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  return sorted(int(name) for name in names if name.isdigit())
+
+
+# Bytes a checkpoint adds to its arrays' (an upper bound: orbax compresses): metadata per array, and per checkpoint
+# its small files, each a filesystem block at least.
+_BYTES_PER_ARRAY, _BYTES_PER_CHECKPOINT = 1024, 128 * 1024
 
 
 def _reason(error: Exception) -> str:
@@ -43,6 +61,7 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+    self._pending = None  # (step, bytes needed) of the save in progress.
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -55,9 +74,48 @@ class Checkpointer:
     return os.path.join(self.directory, str(step))
 
   def save(self, step: int, state, meta: dict) -> None:
-    """Starts an asynchronous save of `state` and `meta` at `step`."""
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)), force=True)
+    """Starts an asynchronous save of `state` and `meta` at `step` once the previous save is complete. DiskFull when
+    the filesystem lacks a checkpoint's space (the latest checkpoint's, or for the first the state's arrays'): then
+    nothing is written. The kept checkpoints are deleted only after a new one is complete, so one more must fit."""
+    self.wait_until_finished()
+    needed = self._checkpoint_bytes(state, meta)
+    free = disk_space.free_bytes(self.directory)
+    if jax.process_count() > 1:  # Every process takes process 0's decision: a save is collective.
+      free = int(multihost_utils.broadcast_one_to_all(np.int64(free)))
+    if free < needed:
+      raise disk_space.DiskFull(f"the checkpoint of step {step} in", self.directory, needed, free)
+    self._pending = (step, needed)
+    with self._full_as_disk_full():
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(meta)), force=True)
+
+  def _checkpoint_bytes(self, state, meta: dict) -> int:
+    """The space a checkpoint of `state` and `meta` takes: the latest checkpoint's, else an upper bound."""
+    steps = saved_steps(self.directory)
+    if steps:
+      return disk_space.used_bytes(self.step_path(steps[-1]))
+    leaves = jax.tree.leaves(state)
+    arrays = sum(getattr(x, "nbytes", 8) for x in leaves)
+    return arrays + _BYTES_PER_ARRAY * len(leaves) + len(json.dumps(meta, default=str)) + _BYTES_PER_CHECKPOINT
+
+  @contextlib.contextmanager
+  def _full_as_disk_full(self):
+    """Raises a save that failed for want of space (the save in progress, or a pending asynchronous one) as
+    DiskFull: orbax's own error follows pages of tracebacks from its writer threads."""
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001  (tensorstore's ValueError, an OSError, ...)
+      if self._pending is None or not disk_space.is_full(e):
+        raise
+      step, needed = self._pending
+      raise disk_space.DiskFull(f"the checkpoint of step {step} in", self.directory, needed,
+                                disk_space.free_bytes(self.directory)) from e
+
+  def wait_until_finished(self) -> None:
+    """Waits for a pending asynchronous save (DiskFull if it failed for want of space)."""
+    with self._full_as_disk_full():
+      self._manager.wait_until_finished()
+    self._pending = None
 
   def restore(self, abstract_state, step: int | None = None):
     """(state, meta) at `step` (default: latest), placed with the shardings of `abstract_state`."""
@@ -106,5 +164,5 @@ class Checkpointer:
     self._manager.reload()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait_until_finished()
     self._manager.close()

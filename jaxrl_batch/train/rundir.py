@@ -12,7 +12,9 @@
   tb/             TensorBoard event files, rebuilt from metrics.jsonl when a run starts (`train.writers`).
   wandb/          W&B's local files, unless WANDB_DIR is set (`train.writers`).
 
-In a multi-process run only process 0 writes; every process may read.
+In a multi-process run only process 0 writes; every process may read. A write the disk has no room for raises
+`disk_space.DiskFull` naming the file and leaves it as it was: a row is appended whole or not at all, a file
+rewritten whole keeps its old content.
 """
 import json
 import logging
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jaxrl_batch.config import migrate
+from jaxrl_batch.runtime import disk_space
 from jaxrl_batch.runtime.distributed import is_main_process
 
 CONFIG = "config.json"
@@ -80,14 +83,44 @@ def read_config(run_dir: str) -> dict | None:
   return dict(content, config=migrate.complete(content["config"], path)) if "config" in content else content
 
 
+def _raise_if_full(error: OSError, what: str, path: str, text: str) -> None:
+  """Raises `disk_space.DiskFull` from `error` when it is a full disk's (writing `text` to `path`)."""
+  if error.errno in disk_space.FULL_ERRNOS:
+    raise disk_space.DiskFull(what, path, len(text.encode()), disk_space.free_bytes(path)) from error
+
+
+def _replace(path: str, text: str, what: str) -> None:
+  """Writes `text` to `path` whole: to a temporary file, then renamed over it (removed if it does not fit)."""
+  tmp = path + ".tmp"
+  try:
+    with open(tmp, "wb") as f:
+      f.write(text.encode())
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    _raise_if_full(e, what, path, text)
+    raise
+  os.replace(tmp, path)
+
+
+def _append(path: str, text: str, what: str) -> None:
+  """Appends `text` whole or not at all: what a failed write (a full disk) left of it is cut off again."""
+  data = memoryview(text.encode())
+  with open(path, "ab", buffering=0) as f:
+    start = f.tell()
+    try:
+      while data:
+        data = data[f.write(data):]
+    except OSError as e:
+      f.truncate(start)
+      _raise_if_full(e, what, path, text)
+      raise
+
+
 def write_config(run_dir: str, content: dict) -> None:
   """Writes config.json whole, then renames it into place: other processes may be reading it."""
-  if not is_main_process():
-    return
-  tmp = config_path(run_dir) + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(content, f, indent=2)
-  os.replace(tmp, config_path(run_dir))
+  if is_main_process():
+    _replace(config_path(run_dir), json.dumps(content, indent=2), "writing")
 
 
 def config_diff(saved: dict, new: dict, prefix: str = "") -> list[str]:
@@ -190,17 +223,16 @@ def _plain(value):
 
 
 class MetricsLog:
-  """Appends rows to a run's metrics.jsonl; each row is flushed so a killed run loses nothing it logged."""
+  """Appends rows to a run's metrics.jsonl; each row is written at once so a killed run loses nothing it logged."""
 
   def __init__(self, run_dir: str):
     self.run_dir = run_dir
     self.path = metrics_path(run_dir)
 
   def write(self, row: dict) -> None:
-    if not is_main_process():
-      return
-    with open(self.path, "a") as f:
-      f.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+    if is_main_process():
+      line = json.dumps({k: _plain(v) for k, v in row.items()}) + "\n"
+      _append(self.path, line, f"the row of step {row.get('step')} in")
 
   def read(self) -> list[dict]:
     return read_metrics(self.run_dir)
@@ -210,7 +242,4 @@ class MetricsLog:
     if not is_main_process():
       return
     rows = [r for r in self.read() if r.get("step", 0) <= step]
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, self.path)
+    _replace(self.path, "".join(json.dumps(r) + "\n" for r in rows), "writing")

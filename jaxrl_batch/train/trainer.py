@@ -29,8 +29,8 @@ from jaxrl_batch.rl.forward import ModelDefs
 from jaxrl_batch.rl.kl_control import KLController
 from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
-from jaxrl_batch.runtime import sharding, transfer
-from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite
+from jaxrl_batch.runtime import disk_space, sharding, transfer
+from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite, saved_steps
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
 from jaxrl_batch.train import branch, collectors, evaluation, rundir, samples_log, sft, step_row, writers
 from jaxrl_batch.train.async_collector import AsyncCollector
@@ -278,7 +278,7 @@ class Trainer:
   def run(self) -> dict:
     """Trains to `sample_budget`; returns the last training row and the final eval accuracy. Raises `Stopped`
     after saving a checkpoint when SIGTERM or SIGINT arrives (`runtime.preemption`), WorkdirBusy when another
-    process holds the workdir."""
+    process holds the workdir, DiskFull when a write finds no room (saying where a rerun resumes)."""
     try:
       # Also while a pending save completes: a first signal cannot abandon it. The writers close on any exit.
       with StopSignals() as signals, self.metrics:
@@ -293,8 +293,18 @@ class Trainer:
             self.collector.close()
           self.exp.scorer.close()
           self.checkpointer.close()  # Also on errors: a pending asynchronous save completes.
+    except Exception as e:
+      if not disk_space.is_full(e):
+        raise
+      raise disk_space.DiskFull.from_error(e, self._resumes_from()) from e
     finally:
       self.lock.release()
+
+  def _resumes_from(self) -> str:
+    """What a rerun of this run does, from the checkpoints on disk."""
+    steps = saved_steps(rundir.checkpoints_dir(self.workdir))
+    return (f"the run resumes from its checkpoint of step {steps[-1]}" if steps
+            else "the run starts again from step 0 (there is no checkpoint yet)")
 
   def _evaluate(self, params) -> dict:
     """{eval_accuracy, eval_reward_errors} of `params` (`train.evaluation.evaluate`)."""
