@@ -3,8 +3,8 @@
 Every compiled XLA:CPU executable holds memory mappings until its cache entry goes; the whole suite in one process
 compiles enough of them to reach Linux's default vm.max_map_count (65,530), where the next compile segfaults. Each
 test module therefore ends by dropping JAX's caches (the next module recompiles what it needs). Under pytest-xdist
-(`-n 2`, the README's command) each worker has its own base cache and tmp paths; the workers share the compilation
-cache, whose directory the controlling process sets before it starts them.
+(`-n 2`, the README's command) each worker has its own tmp paths; the workers share the compilation cache and the
+cache of warm-start base policies, whose directories the controlling process sets before it starts them.
 """
 import atexit
 import gc
@@ -14,7 +14,11 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM at -O0: the suite's programs are small and compiled far more than they run, and compiling them is most of its
+# time (measured: 18-31% less CPU time on training, update and rollout-benchmark tests). Float results are the same,
+# since XLA:CPU compiles without fast-math at any level; the processes the tests start keep these flags
+# (helpers.xla_flags).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session and the `launch.*` processes its tests start: the modules clear
 # JAX's in-memory caches (below) and the processes start cold, yet most compile the same debug-model programs
@@ -35,10 +39,17 @@ def _release_compiled_programs():
   gc.collect()
 
 
+# One cache of warm-start (SFT) base policies for the session, its workers and the processes they start: each
+# config's base is trained once, by whichever worker needs it first (the others wait on its lock; train/sft.py).
+if "JAXRL_BATCH_TEST_BASE_CACHE" not in os.environ:
+  os.environ["JAXRL_BATCH_TEST_BASE_CACHE"] = tempfile.mkdtemp(prefix="jaxrl_batch_tests_base_")
+  atexit.register(shutil.rmtree, os.environ["JAXRL_BATCH_TEST_BASE_CACHE"], True)
+
+
 @pytest.fixture(scope="session")
-def base_cache(tmp_path_factory):
-  """One cache of warm-start (SFT) base policies for the whole suite: each config's base is trained once."""
-  return str(tmp_path_factory.mktemp("base_cache"))
+def base_cache():
+  """The directory of the suite's cached base policies (above)."""
+  return os.environ["JAXRL_BATCH_TEST_BASE_CACHE"]
 
 
 @pytest.fixture

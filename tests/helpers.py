@@ -129,6 +129,13 @@ def straight_and_resumed(tmp_path, monkeypatch, config, straight=None):
   return rundir.read_metrics(straight), rundir.read_metrics(resumed)
 
 
+def xla_flags(devices: int) -> str:
+  """This process's XLA_FLAGS (tests/conftest.py) with `devices` fake CPU devices, for a process a test starts."""
+  count = "--xla_force_host_platform_device_count"
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+  return " ".join([f"{count}={devices}", *flags])
+
+
 def launch_train(workdir, base_cache, *flags, devices=None) -> subprocess.Popen:
   """`python -m launch.train` of the arithmetic debug member as a child process (stdout and stderr in one text pipe),
   its warm start cached in `base_cache`; `devices` fakes that many CPU devices (default: this process's 8)."""
@@ -136,7 +143,7 @@ def launch_train(workdir, base_cache, *flags, devices=None) -> subprocess.Popen:
          f"--config.sft.cache_dir={base_cache}", *flags]
   env = dict(os.environ)
   if devices is not None:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 

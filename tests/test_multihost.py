@@ -14,7 +14,7 @@ import pytest
 
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
-from tests.helpers import ROOT, debug_config
+from tests.helpers import ROOT, debug_config, xla_flags
 
 pytestmark = pytest.mark.slow  # it starts the processes of a multi-host run
 
@@ -46,7 +46,7 @@ def _processes(directory, num_processes=2):
   """
   port = _free_port()
   flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
   logs = [directory / f"process_{i}.log" for i in range(num_processes)]
   procs = []
   try:

@@ -16,6 +16,7 @@ from jaxrl_batch.analysis import analyze
 from jaxrl_batch.config.args import apply_overrides
 from jaxrl_batch.study import runner as study
 from jaxrl_batch.train import rundir
+from tests.helpers import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "grpo_arith.py")
@@ -195,7 +196,7 @@ def test_plan_batch_cli_writes_the_plan_and_reuses_finished_sweep_runs(swept, ca
   proc = subprocess.run(
       [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
        f"--workdir={plan_dir}", "--batches=16,32", "--steps=2", "--warmup=0", "--min_samples=0", f"--set={cache}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=xla_flags(1)))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert mtimes == [os.path.getmtime(p) for p in logs]  # The sweep's runs were finished: nothing retrained.
   plan = json.loads((plan_dir / "plan.json").read_text())

@@ -5,7 +5,9 @@ cached under a key of everything it depends on (model, task, SFT settings, seed,
 batch family starts from the same base. In a multi-process run every process takes part in training it (one
 global program) and in orbax's save and restore of the cache, which must be on a filesystem every host sees.
 """
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -160,6 +162,32 @@ def load_or_train(exp: Experiment, directory: str | None = None, stop_signal=Non
   if exp.config.init_from:
     return pretrained(exp)
   directory = directory or base_dir(exp)
+  with _one_trainer(directory):
+    return _load_or_train(exp, directory, stop_signal)
+
+
+@contextlib.contextmanager
+def _one_trainer(directory: str):
+  """Processes that share a cache train each base policy once: the first holds `<directory>.lock` (flock, released
+  by the kernel however its holder exits) while it trains and saves; the others wait for it, then reuse its result.
+  A multi-process run's processes train it together instead (one global program), so they take no lock."""
+  if jax.process_count() > 1:
+    yield
+    return
+  os.makedirs(os.path.dirname(directory) or ".", exist_ok=True)
+  fd = os.open(directory + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      logging.info("Another process is creating the base policy at %s: waiting for it.", directory)
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # Releases the lock.
+
+
+def _load_or_train(exp: Experiment, directory: str, stop_signal):
   graphdef, abstract = exp.abstract_params()
   ckpt = Checkpointer(directory, max_to_keep=1)
   trained = ckpt.latest_step() is None
