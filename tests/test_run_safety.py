@@ -1,7 +1,9 @@
 """Nothing a run directory holds is lost: the workdir lock, checkpoint integrity and fallback, the metrics log's torn
 tail and missing checkpoints, and SIGTERM saving a real `launch.train` process."""
 import json
+import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -191,6 +193,35 @@ def test_a_torn_last_row_is_dropped_on_resume(finished_run, base_cache, tmp_path
     f.write('{"step": 7, "samp\n{"step": 8}\n')  # not the last line: an error naming it
   with pytest.raises(ValueError, match=r"metrics.jsonl:\d+ is not a JSON metrics row"):
     rundir.read_metrics(workdir)
+
+
+@ON_FINISHED_RUNS_WORKER
+def test_lost_rows_at_the_latest_checkpoint_are_redone_or_named(finished_run, base_cache, tmp_path, caplog):
+  """A torn final evaluation row (at the checkpoint of step 6) is redone from the restored state, the state it
+  evaluated: the run reports that accuracy again, not step 4's (without the redo, step 6 would have no evaluation
+  row). A lost training row of step 6 cannot be redone: a warning names it and why."""
+  workdir = copy_of(finished_run, tmp_path)
+  expected = rundir.read_metrics(finished_run)
+  lines = open(rundir.metrics_path(finished_run)).read().splitlines(keepends=True)
+  assert expected[-1]["step"] == 6 and "eval_accuracy" in expected[-1]
+
+  def resume_with_the_last_line_torn(kept):
+    with open(rundir.metrics_path(workdir), "w") as f:
+      f.writelines(kept[:-1] + [kept[-1][:20]])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      return Trainer(config(base_cache), workdir, devices=ONE).run()
+
+  result = resume_with_the_last_line_torn(lines)
+  assert rundir.rows_mismatch(rundir.read_metrics(workdir), expected) is None
+  assert result["eval_accuracy"] == expected[-1]["eval_accuracy"]
+  assert "lacks the evaluation row of step 6 (torn, or the file was cut short): evaluating the restored state" in (
+      caplog.text)
+  resume_with_the_last_line_torn(lines[:-1])  # The training row of step 6 torn, the evaluation row lost.
+  assert rundir.rows_mismatch(rundir.read_metrics(workdir), expected[:-2] + expected[-1:]) is None
+  assert re.search(r"lacks the training rows of step 6 \(torn, .*\)\. They cannot be redone: the checkpoint of step 6 "
+                   r".* holds the state after them, and a step's rollouts are not saved", caplog.text)
+  assert "lacks the evaluation row of step 6" in caplog.text
 
 
 @ON_FINISHED_RUNS_WORKER

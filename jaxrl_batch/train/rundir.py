@@ -142,8 +142,9 @@ def config_diff(saved: dict, new: dict, prefix: str = "") -> list[str]:
 def iter_metrics(path: str) -> Iterator[tuple[int, dict]]:
   """(line number, row) of every non-empty line of a metrics.jsonl; ValueError naming the line if one is not JSON.
 
-  A last line without its newline that is not JSON is a row torn by a crash or a full disk (rows are written whole,
-  newline last): it is skipped with a warning; a resumed run drops it and redoes its step.
+  A last line without its newline that is not JSON is a row torn by a crash (rows are written whole, newline last):
+  it is skipped with a warning. A resumed run drops it; it redoes the row's step when it is after the checkpoint it
+  resumes from, else the evaluation of that checkpoint's step, and names the rows it cannot redo (`train.trainer`).
   """
   with open(path) as f:
     lines = f.readlines()

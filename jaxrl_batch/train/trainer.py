@@ -11,7 +11,9 @@ The update is timed to completion (one blocking wait, no transfer) so that the p
 Nothing a run directory holds is lost: one process at a time (`workdir_lock`); SIGTERM or SIGINT checkpoint at the
 next step boundary and stop (`runtime.preemption`); a checkpoint is never saved with non-finite state, and resume
 falls back from an unusable latest checkpoint to the previous one; metrics rows are erased only past a checkpoint
-the run resumes from.
+the run resumes from. Rows at or before that checkpoint that are torn or missing (a crash or a full disk as a row
+was written, a file cut by a copy or a host crash) are redone when they can be, the evaluation of the checkpoint's
+step, and named in a warning when they cannot (`_check_log`).
 """
 import json
 import logging
@@ -82,6 +84,7 @@ class Trainer:
     self._last_row = {}
     self._warned_uniform = False
     self._failed_reward_steps = 0  # Consecutive steps whose every sample's reward failed (`_check_rewards`).
+    self._redo_eval = False  # The restored step's evaluation row is missing: `loop` evaluates it again.
 
   @property
   def _carries_rollouts(self) -> bool:
@@ -268,12 +271,48 @@ class Trainer:
       self.samples_log.truncate_after(progress["step"])
       logging.info("Resuming from step %d (%d samples, %.0fs) in %s.", progress["step"], progress["samples"],
                    progress["wall_s"], self.workdir)
+      self._redo_eval = self._check_log(progress["step"], progress["samples"])
     else:
       self.metrics.truncate_after(-1)  # Rows of an attempt that died before its first checkpoint.
       self.samples_log.truncate_after(-1)
       rundir.write_config(self.workdir, self._resolved_config(base_dir))
     self.kl = KLController(progress["kl_coef"], algo.kl_target, algo.kl_horizon)
     return state, progress
+
+  def _evaluates_at(self, previous: int | None, samples: int) -> bool:
+    """Whether the step that took the run from `previous` samples (None: not known) to `samples` ends with an
+    evaluation: each config.eval_every_samples crossed, and the last step."""
+    every = self.config.eval_every_samples
+    crossed = previous is not None and every > 0 and samples // every > previous // every
+    return crossed or samples >= self.member.sample_budget
+
+  def _check_log(self, step: int, samples: int) -> bool:
+    """Checks metrics.jsonl's rows against the checkpoint of `step` the run resumes from: rows are written before
+    their step's checkpoint, but a file cut short (a host crash, a copy) loses rows at or before it. Warns, naming
+    them, of the training and evaluation rows that cannot be redone. Returns whether the evaluation row of `step` is
+    missing: it is redone from the restored state, the state that evaluation was made from."""
+    rows = self.metrics.read()
+    trained = {r["step"]: r["samples"] for r in rows if "reward_mean" in r}
+    evaluated = {r["step"] for r in rows if "eval_accuracy" in r}
+    last = max(trained, default=0)
+    path, cause = self.metrics.log.path, "torn, or the file was cut short"
+    if last < step:
+      span = f"step {step}" if last + 1 == step else f"steps {last + 1} to {step}"
+      logging.warning("%s lacks the training rows of %s (%s). They cannot be redone: the checkpoint of step %d that "
+                      "the run resumes from holds the state after them, and a step's rollouts are not saved (nor can "
+                      "an evaluation row of those steps). The log goes on without them.", path, span, cause, step)
+    previous = lambda s: 0 if s == 1 else trained.get(s - 1)
+    lost = [s for s in ([0] if step else []) + ([last] if 0 < last < step else [])
+            if s not in evaluated and (s == 0 or self._evaluates_at(previous(s), trained[s]))]
+    if lost:
+      logging.warning("%s lacks the evaluation rows of steps %s (%s). They cannot be redone: the checkpoint of step "
+                      "%d that the run resumes from holds a later state. The log goes on without them.", path,
+                      ", ".join(map(str, lost)), cause, step)
+    missing = step > 0 and step not in evaluated and self._evaluates_at(previous(step), samples)
+    if missing:
+      logging.warning("%s lacks the evaluation row of step %d (%s): evaluating the restored state of step %d again, "
+                      "the state that evaluation was made from.", path, step, cause, step)
+    return missing
 
   def run(self) -> dict:
     """Trains to `sample_budget`; returns the last training row and the final eval accuracy. Raises `Stopped`
@@ -338,11 +377,12 @@ class Trainer:
     start = time.time()
     wall = lambda: progress["wall_s"] + time.time() - start
     eval_acc = next((r["eval_accuracy"] for r in reversed(self.metrics.read()) if "eval_accuracy" in r), None)
-    if step == 0:
+    if step == 0 or self._redo_eval:
       held_out = self._evaluate(state["params"])
       eval_acc = held_out["eval_accuracy"]
-      self.metrics.write(step_row.eval_row(0, 0, wall(), held_out))
-      logging.info("Step 0: held-out greedy accuracy %.3f (base policy).", eval_acc)
+      self.metrics.write(step_row.eval_row(step, samples, wall(), held_out))
+      logging.info("Step %d: held-out greedy accuracy %.3f (%s).", step, eval_acc,
+                   "redone" if step else "base policy")
     first_step, idle = step, 0
     stop_at = c.stop_at_accuracy
     reached = lambda acc: rundir.reached_accuracy(acc, stop_at)
@@ -365,7 +405,7 @@ class Trainer:
       crossed = lambda every: every > 0 and samples // every > previous // every
       done = samples >= m.sample_budget
       stop = signals is not None and signals.should_stop(step)
-      evaluate, save = crossed(c.eval_every_samples) or done, crossed(c.checkpoint_every_samples) or done or stop
+      evaluate, save = self._evaluates_at(previous, samples), crossed(c.checkpoint_every_samples) or done or stop
       if evaluate or save or self.kl.target > 0:
         self._flush()
       if evaluate:
