@@ -208,7 +208,7 @@ def test_trainer_writes_to_the_configured_writers_and_closes_them(tmp_path, monk
   run = FakeRun(0)
   monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
 
-  def start_then_fail(self):
+  def start_then_fail(self, *args):
     self.metrics.truncate_after(-1)
     self.metrics.write(train_row(1, 0.5))
     raise RuntimeError("crash")

@@ -80,8 +80,9 @@ class Checkpointer:
     self.wait_until_finished()
     needed = self._checkpoint_bytes(state, meta)
     free = disk_space.free_bytes(self.directory)
-    if jax.process_count() > 1:  # Every process takes process 0's decision: a save is collective.
-      free = int(multihost_utils.broadcast_one_to_all(np.int64(free)))
+    if jax.process_count() > 1:  # Every process takes process 0's decision: a save is collective. In float32, as
+      # JAX without x64 would make an int64 an int32 (overflowing past 2 GiB); 24 bits of precision are plenty here.
+      free = int(multihost_utils.broadcast_one_to_all(np.float32(free)))
     if free < needed:
       raise disk_space.DiskFull(f"the checkpoint of step {step} in", self.directory, needed, free)
     self._pending = (step, needed)
