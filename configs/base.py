@@ -14,6 +14,7 @@ import dataclasses
 
 import ml_collections
 
+from jaxrl_batch import tasks
 from jaxrl_batch.config.args import parse_arg
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.runtime import sharding
@@ -40,13 +41,10 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
   c = ml_collections.ConfigDict()
   c.seed = arg.seed  # Seeds init, prompts and sampling; every step's randomness is derived from (seed, step).
 
-  # Scoring, for any task (may change on resume): a reward past the timeout scores 0 and is counted
-  # (`reward_timeouts`); threads running the reward function; with the continuous engine, score responses as they
-  # end, while decoding goes on; the run stops with an error after this many consecutive steps in which the reward
-  # function raised (or timed out) on every sample, since those steps learn nothing (0 = never stops). The family
-  # adds its task's fields (`name`: jaxrl_batch.tasks.TASKS).
-  c.task = ml_collections.ConfigDict(dict(reward_timeout_s=30.0, reward_workers=1, stream_rewards=True,
-                                          max_failed_reward_steps=5))
+  # Scoring, for any task (may change on resume), with its defaults and their meaning in one place,
+  # jaxrl_batch.tasks.SCORING_FIELDS: the reward's timeout, its threads, streamed rewards, and how many consecutive
+  # steps whose every reward failed stop the run. The family adds its task's fields (`name`: jaxrl_batch.tasks.TASKS).
+  c.task = ml_collections.ConfigDict(dict(tasks.SCORING_FIELDS))
   c.tokenizer_path = ""  # SentencePiece .model file; "" uses the task's bundled tokenizer (with init_from, its own).
   c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.
   c.chat_template = "none"  # Prompt wrapping: auto (from the tokenizer) | none | chatml | ...
