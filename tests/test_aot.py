@@ -50,6 +50,7 @@ def test_parse_oom():
 
 
 @pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
 def test_a_plan_too_big_for_hbm_is_reported_not_raised():
   config = grpo_gsm8k_qwen.get_config("model=tiny_random")
   config.model.vocab_size = 40_000_000  # Logits and embedding gradients of a 40M-row table: > 100 GiB per chip.
@@ -112,6 +113,7 @@ def test_the_abstract_state_is_the_trainers():
 
 
 @pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
 def test_chunked_logits_and_rollout_blocks_compile_for_v5e():
   """The update's temporaries with 32-position logit chunks are under half the whole-sequence form's (a 40,000-token
   vocabulary makes the float32 logits dominate); the rollout compiles as one block of all rows and as blocks of
@@ -180,6 +182,7 @@ def test_gpu_topology_names():
 
 
 @pytest.mark.usefixtures("cuda_plugin")
+@pytest.mark.slow
 def test_the_update_compiles_for_h100s_and_fits(monkeypatch):
   """tiny_random on 2 H100s (fsdp=2): the update's memory per GPU from the GPU compiler, compared with the share of the
   device JAX's allocator takes (XLA_CLIENT_MEM_FRACTION); no costs (GPU executables have no cost analysis)."""
@@ -203,6 +206,7 @@ def test_the_update_compiles_for_h100s_and_fits(monkeypatch):
 
 
 @pytest.mark.usefixtures("cuda_plugin")
+@pytest.mark.slow
 def test_a_plan_too_big_for_an_h100_compiles_and_is_reported():
   """The GPU compiler does not refuse a plan larger than the device (the TPU compiler's out-of-memory error): the
   program compiles and its memory_analysis gives the verdict."""
@@ -215,6 +219,7 @@ def test_a_plan_too_big_for_an_h100_compiles_and_is_reported():
 
 
 @pytest.mark.usefixtures("cuda_plugin")
+@pytest.mark.slow
 def test_flash_gpu_compiled_for_h100s_needs_a_fraction_of_dense_temporaries():
   """model.attention='auto' on a mesh of H100s is flash_gpu (Pallas Triton kernels, forward and backward): compiled
   at Qwen2.5-1.5B's heads (12 query, 2 kv, head_dim 128), bf16, B=2, T=2048 on 2 GPUs with tensor=2, its temporaries
@@ -270,6 +275,7 @@ def _tiny_with(**overrides):
 
 
 @pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
 def test_continuous_engine_prefill_decode_and_eval_compile_for_v5e():
   """The decode chunk's arguments hold the slot cache at its longest bucket (127 positions; the first bucket holds
   64), so 2 more slots per chip add that cache's bytes, donated with the state; the prefill and the evaluation's
@@ -298,6 +304,7 @@ def test_continuous_engine_prefill_decode_and_eval_compile_for_v5e():
 
 
 @pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
 def test_paged_engine_pool_and_reprefill_compile_for_one_v5e_chip():
   """The paged cache decodes on one chip: its pool is an argument of the decode chunk (24 more pages add their
   bytes), a pool short of every slot at the longest length re-prefills preempted sequences (`reprefill`), and on 4
@@ -321,6 +328,7 @@ def test_paged_engine_pool_and_reprefill_compile_for_one_v5e_chip():
 
 
 @pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
 def test_partial_rollouts_compile_their_prefill_decode_and_reprefill_for_v5e():
   """rollout.partial: the call holds 8 carried + 2 steps x 16 new requests and 8 + 2 x 4 prompt rows; the
   re-prefill of carried sequences returns a new slot cache (not donated: the old one is live meanwhile)."""
@@ -340,6 +348,7 @@ def test_partial_rollouts_compile_their_prefill_decode_and_reprefill_for_v5e():
 
 
 @pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
 def test_static_eval_and_the_weight_publish_of_an_async_run_for_v5e():
   """The evaluation's greedy pass compiles as the static engine's `generate` of the held-out rows; with
   rl.max_staleness = 1 the publish is no program: its bytes (the policy per chip, copied) are reported, and the

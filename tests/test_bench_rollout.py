@@ -36,6 +36,7 @@ def _check(report, out, concurrency):
     assert all(record[k] > 0 for k in POSITIVE) and all(math.isfinite(record[k]) for k in TIMED), record
 
 
+@pytest.mark.slow
 def test_sweep_in_the_token_budget_mode(tmp_path):
   # max_len 32: a 28-token budget, EOS forced as the 8th token (run() checks every row's length); sampled.
   out = tmp_path / "bench.json"
@@ -57,6 +58,7 @@ def test_side_by_side_with_hugging_face(tmp_path):
   assert record["hf_same_tokens"] == 1.0  # same weights, greedy: the same tokens
 
 
+@pytest.mark.slow
 def test_engines_on_long_tailed_lengths(tmp_path):
   # 16 requests on 4 slots: the static engine runs 4 blocks to their longest, the continuous one refills slots.
   out = tmp_path / "bench.json"
@@ -79,6 +81,7 @@ def test_engines_on_long_tailed_lengths(tmp_path):
   assert math.isfinite(continuous["decode_speedup_vs_static"]) and "decode_speedup_vs_static" not in static
 
 
+@pytest.mark.slow
 def test_a_paged_cache_at_more_slots_in_less_memory(tmp_path):
   # 16 long-tailed requests: a pool of 8 pages of 4 slots holds 8 slots' sequences in less memory than the slot
   # cache of 4 (4 x 27 slots + the 16 prompts' prefix); at 8 slots it runs short and preempts, the same tokens.
@@ -96,6 +99,7 @@ def test_a_paged_cache_at_more_slots_in_less_memory(tmp_path):
   assert records["paged", 4]["kv_cache_bytes"] == paged["kv_cache_bytes"]
 
 
+@pytest.mark.slow
 def test_partial_rollouts_in_steady_state(tmp_path):
   # 48 long-tailed requests on 4 slots, steps of 6 decode steps: sequences are carried over and re-prefilled, and
   # the steady-state steps keep more of the slot-steps busy than the static engine's blocks.
@@ -109,6 +113,7 @@ def test_partial_rollouts_in_steady_state(tmp_path):
   assert math.isfinite(partial["decode_speedup_vs_static"]) and partial["decode_tok_s"] > 0
 
 
+@pytest.mark.slow
 def test_a_point_without_a_steady_state_step_is_refused(tmp_path):
   # 16 requests on 8 slots, steps of 6 decode steps: only the first step ends with requests still queued, and it
   # starts from empty slots with nothing carried in (not a steady state), so there is nothing to report.
@@ -117,6 +122,7 @@ def test_a_point_without_a_steady_state_step_is_refused(tmp_path):
     bench_rollout.run(s, str(tmp_path / "bench.json"))
 
 
+@pytest.mark.slow
 def test_fixed_lengths_leave_no_slot_idle(tmp_path):
   out = tmp_path / "bench.json"
   report = bench_rollout.run(dataclasses.replace(TINY, **ENGINES, concurrency=(3,), length_dist="fixed:6"), str(out))
@@ -126,6 +132,7 @@ def test_fixed_lengths_leave_no_slot_idle(tmp_path):
     assert record["useful_token_frac"] == 1.0 and record["live_len"] == TINY.prompt_len + 3
 
 
+@pytest.mark.slow
 def test_moe_sweep_measures_the_experts_a_step_reads(tmp_path):
   # 16 experts, 2 a token: random routers route nearly uniformly, so the distinct experts the decode steps' rows
   # chose match E (1 - (1 - k / E)^c): 2 at c = 1 (exactly), 3.75 at 2, 10.5 at 8.

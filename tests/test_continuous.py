@@ -51,6 +51,7 @@ def _continuous(tiny, prompt, valid, budget, sampling, engine, slots, group=2):
 
 
 @pytest.mark.parametrize("slots,chunk", [(1, 16), (3, 2), (5, 1), (8, 4)])
+@pytest.mark.slow
 def test_greedy_tokens_equal_the_static_engine_whatever_slots_and_chunk(tiny, slots, chunk):
   prompt, valid, budget = _requests(0)
   expected = _static(tiny, prompt, valid, budget, GREEDY)
@@ -62,6 +63,7 @@ def test_greedy_tokens_equal_the_static_engine_whatever_slots_and_chunk(tiny, sl
   assert np.all(lengths <= np.asarray(budget))
 
 
+@pytest.mark.slow
 def test_sampled_tokens_do_not_depend_on_slots_or_chunk(tiny):
   prompt, valid, budget = _requests(1)
   runs = [_continuous(tiny, prompt, valid, budget, SAMPLED, _engine(chunk), slots)[0]
@@ -73,6 +75,7 @@ def test_sampled_tokens_do_not_depend_on_slots_or_chunk(tiny):
   np.testing.assert_array_equal(truncated, np.asarray(runs[0].tokens_BxN)[np.arange(8), lengths - 1] != EOS)
 
 
+@pytest.mark.slow
 def test_pallas_backend_gives_the_xla_tokens(tiny):
   prompt, valid, budget = _requests(2)
   runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(4, backend), 3)[0]
@@ -80,6 +83,7 @@ def test_pallas_backend_gives_the_xla_tokens(tiny):
   assert_same_rollout(runs[1], runs[0], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
   # The cache grows to the long request's bucket, then shrinks back once only short requests remain.
   sizes = []
@@ -100,6 +104,7 @@ def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
   assert sizes[-1] == 8 and sizes.index(p + N - 1) > 0  # grown for the long request, shrunk after it
 
 
+@pytest.mark.slow
 def test_one_upload_and_one_download_per_chunk_and_no_recompiles(tiny):
   prompt, valid, budget = _requests(4)
   _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(3), 3)
@@ -111,6 +116,7 @@ def test_one_upload_and_one_download_per_chunk_and_no_recompiles(tiny):
   assert continuous._chunk._cache_size() == compiled
 
 
+@pytest.mark.slow
 def test_static_blocks_and_their_figures(tiny):
   prompt, valid, budget = _requests(6)
   static = EngineSettings(attention_backend="xla")
@@ -128,6 +134,7 @@ def test_static_blocks_and_their_figures(tiny):
             engine=static, group_size=2, slots=3)
 
 
+@pytest.mark.slow
 def test_a_mesh_of_8_devices_gives_the_single_device_rollout(tiny):
   prompt, valid, budget = _requests(7, prompts=8, group=2)
   expected, _ = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(4), 8)
@@ -144,6 +151,7 @@ def test_a_mesh_of_8_devices_gives_the_single_device_rollout(tiny):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.slow
 def test_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny, temperature):
   # Stop after two chunks, then decode again with the partial sequences carried over (re-prefilled from their
   # prompt and tokens): the same tokens as one uninterrupted call, the carried ones first into the slots.
@@ -170,6 +178,7 @@ def test_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny, temper
 
 
 @pytest.mark.parametrize("page_size,slots", [(2, 3), (4, 5), (16, 8)])
+@pytest.mark.slow
 def test_a_paged_cache_gives_the_static_engine_tokens(tiny, page_size, slots):
   # Prompts of 5 slots are left-padded to a multiple of the page; the samples of a prompt share its pages.
   prompt, valid, budget = _requests(9)
@@ -179,6 +188,7 @@ def test_a_paged_cache_gives_the_static_engine_tokens(tiny, page_size, slots):
   assert stats.preempted == 0 and 0 < stats.pages_peak <= slots * -(-(N - 1) // page_size)
 
 
+@pytest.mark.slow
 def test_a_short_pool_preempts_and_re_prefills_to_the_same_tokens(tiny):
   # 10 pages of 2 slots hold two sequences at the longest length (11 tokens): 4 slots cannot all grow, so the latest
   # started sequences give their pages back and resume later from their tokens and keys while other slots decode.
@@ -192,6 +202,7 @@ def test_a_short_pool_preempts_and_re_prefills_to_the_same_tokens(tiny):
     _continuous(tiny, prompt, valid, budget, GREEDY, _engine(2, page_size=2, pages=5), 4)
 
 
+@pytest.mark.slow
 def test_the_paged_pallas_kernel_gives_the_xla_tokens(tiny):
   prompt, valid, budget = _requests(11)
   runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(4, backend, page_size=4), 3)[0]
@@ -199,6 +210,7 @@ def test_the_paged_pallas_kernel_gives_the_xla_tokens(tiny):
   assert_same_rollout(runs[1], runs[0], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
   prompt, valid, budget = _requests(12)
   engine = _engine(2, page_size=4)

@@ -73,6 +73,7 @@ def test_eval_config_is_checked_and_older_configs_resume():
   assert rundir.config_diff(old, json.loads(new.to_json())) == []  # A run written before `eval` existed resumes.
 
 
+@pytest.mark.slow
 def test_sampled_evaluation_end_to_end(monkeypatch):
   """The debug model, freshly initialised, on 2 data-parallel devices (15 problems: one padding row), with a reward
   of the completion's first character, so that samples differ in reward and some rewards raise."""
@@ -112,6 +113,7 @@ def test_sampled_evaluation_end_to_end(monkeypatch):
 
 
 @pytest.mark.parametrize("engine,slots", [("continuous", 4), ("static", 5)])
+@pytest.mark.slow
 def test_evaluation_on_the_runs_engine_and_slots_gives_the_one_block_completions(monkeypatch, engine, slots):
   """The continuous engine on 4 slots (a finished row's slot takes the next problem) and the static one in blocks
   of 5 rows decode the greedy completions of one block of all 15 problems, on the debug model."""

@@ -43,6 +43,7 @@ def test_batch_and_prompts_that_disagree_are_refused():
     grpo_gsm8k_qwen.get_config("model=tiny_random,batch=32,prompts=4")
 
 
+@pytest.mark.slow
 def test_tiny_random_runs_end_to_end_on_the_bundled_sample(tmp_path):
   Trainer(tiny_config(tmp_path, chat_template="chatml"), str(tmp_path / "run"), devices=ONE).run()
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -50,6 +51,7 @@ def test_tiny_random_runs_end_to_end_on_the_bundled_sample(tmp_path):
   assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
 
 
+@pytest.mark.slow
 def test_init_from_a_hugging_face_checkpoint(tmp_path):
   from jaxrl_batch.hf.convert import save_pretrained
   config = tiny_config(tmp_path)
@@ -64,6 +66,7 @@ def test_init_from_a_hugging_face_checkpoint(tmp_path):
   assert not os.path.exists(tmp_path / "base")  # No supervised warm start was trained.
 
 
+@pytest.mark.slow
 def test_init_from_a_checkpoint_of_another_shape_is_refused(tmp_path):
   from jaxrl_batch.hf.convert import save_pretrained
   exp = Experiment.create(tiny_config(tmp_path), devices=ONE)

@@ -100,6 +100,7 @@ def test_logits_match_transformers_with_and_without_left_padding(checkpoint, nam
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(checkpoint, name):
   model, (_, graphdef, params) = checkpoint(name)
   prompt, valid = _batch(2, 6, pad=2, seed=1)

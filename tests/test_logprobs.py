@@ -86,6 +86,7 @@ def dense(cfg, packed):
 
 
 @pytest.mark.parametrize("cfg, packed", [(CFG, False), (MOE, True)], ids=["dense_padded", "moe_packed"])
+@pytest.mark.slow
 def test_dense_form_equals_numpy_reference(cfg, packed):
   _, logp, entropy, _, want_logp, want_entropy = dense(cfg, packed)
   np.testing.assert_allclose(logp, want_logp, rtol=0, atol=2e-5)
@@ -101,6 +102,7 @@ def test_dense_form_equals_numpy_reference(cfg, packed):
     (CFG, True, dict(logits_chunk=5, remat="block")),
     (MOE, True, dict(logits_chunk=7, remat="block")),
 ], ids=["chunk5", "chunk1_block", "chunk11_dots", "packed_chunk5_block", "moe_packed_chunk7_block"])
+@pytest.mark.slow
 def test_chunks_and_remat_leave_values_and_gradients_unchanged(cfg, packed, settings):
   loss, logp, entropy, grads, want_logp, _ = dense(cfg, packed)
   _, _, loss2, logp2, entropy2, grads2 = run(cfg, packed, **settings)
@@ -110,6 +112,7 @@ def test_chunks_and_remat_leave_values_and_gradients_unchanged(cfg, packed, sett
   assert_grads_close(grads2, grads)
 
 
+@pytest.mark.slow
 def test_without_entropy_only_log_probs():
   graphdef, params = graphdef_and_params(CFG, logits_chunk=5)
   tokens, valid, _, _ = inputs(False)
@@ -170,6 +173,7 @@ def test_scoring_in_micro_batches_equals_one_forward():
 
 @pytest.mark.parametrize("settings", [dict(logits_chunk=4, remat="block"), dict(logits_chunk=7, remat="dots")],
                          ids=["chunk4_block", "chunk7_dots"])
+@pytest.mark.slow
 def test_update_under_memory_settings_equals_the_dense_update(settings):
   """One GRPO update (entropy bonus, 2 micro-batches) with chunked logits and remat: the dense update's loss,
   metrics and parameters."""

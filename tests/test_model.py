@@ -73,6 +73,7 @@ def test_causal(model):
   assert not np.allclose(a[:, 4:], b[:, 4:], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_left_padding_does_not_change_logits(model):
   graphdef, params = model
   tokens = _tokens(1, 5)
@@ -84,6 +85,7 @@ def test_left_padding_does_not_change_logits(model):
 
 
 @pytest.mark.parametrize("decode_backend", ["xla", "pallas"])
+@pytest.mark.slow
 def test_cached_decode_equals_full_forward(model, decode_backend):
   # A dense-mask prefill, then one-token steps that describe their keys by the span from each row's first real
   # token to its own slot.
@@ -179,6 +181,7 @@ def test_invalid_config_is_refused():
                                  d_ff=8, hidden=3))
 
 
+@pytest.mark.slow
 def test_eight_device_mesh_gives_same_loss_and_grads():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")

@@ -101,6 +101,7 @@ def _model(cfg=CFG):
   return nnx.merge(*one_device_model(cfg))
 
 
+@pytest.mark.slow
 def test_replaying_own_routing_is_exact_and_other_routing_changes_output_but_trains_the_router():
   model = _model()
   tokens = jax.random.randint(jax.random.key(5), (2, 7), 0, CFG.vocab_size)
@@ -125,6 +126,7 @@ def test_replaying_own_routing_is_exact_and_other_routing_changes_output_but_tra
   assert float(jnp.abs(grads.blocks[0].mlp.router[...]).max()) > 0
 
 
+@pytest.mark.slow
 def test_moe_layers_follow_sparse_step_and_dense_layers_and_param_count_is_exact():
   assert CFG.moe_layers == (0, 2)
   assert ModelConfig(**{**CFG.__dict__, "mlp_only_layers": (), "decoder_sparse_step": 2}).moe_layers == (1,)
@@ -165,6 +167,7 @@ def _loss_and_grads(mesh, rows: int, moe_chunk: int = CFG.moe_chunk):
 @pytest.mark.parametrize("mesh_shape, rows, moe_chunk", [((2, 1, 2, 2), 8, CFG.moe_chunk),
                                                          ((1, 1, 1, 8), 8, CFG.moe_chunk),
                                                          ((1, 1, 2, 4), 2, CFG.moe_chunk), ((1, 1, 1, 8), 8, 5)])
+@pytest.mark.slow
 def test_expert_parallel_mesh_gives_same_loss_and_grads(mesh_shape, rows, moe_chunk):
   """(data, fsdp, tensor, expert): tokens gathered over the expert axis; with 2 rows on 4 expert devices the
   tokens are replicated over it instead; moe_chunk=5: a device's 48 gathered tokens 5 at a time."""
@@ -180,6 +183,7 @@ def test_expert_parallel_mesh_gives_same_loss_and_grads(mesh_shape, rows, moe_ch
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads1, grads8)
 
 
+@pytest.mark.slow
 def test_expert_count_not_divisible_by_expert_axis_is_refused():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")
@@ -192,6 +196,7 @@ def test_expert_count_not_divisible_by_expert_axis_is_refused():
 
 
 @pytest.mark.parametrize("engine,page_size", [("static", 0), ("continuous", 0), ("continuous", 4)])
+@pytest.mark.slow
 def test_engines_record_the_routing_the_trainer_recomputes(engine, page_size):
   """The sampler's experts per fed token (prefill and decode steps) are the full-sequence forward's, in float32;
   -1 at padding and at each response's last token, which is never fed."""

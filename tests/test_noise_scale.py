@@ -229,6 +229,7 @@ def long_batch(rows=32, prompt=16, response=142, seed=0) -> TrainBatch:
 
 
 @pytest.mark.parametrize("case", ["padded", "packed", "one_long_micro_batch"])
+@pytest.mark.slow
 def test_update_signed_gradients_match_their_definition(case):
   """The split's squared norms, through the update's backward passes over micro-batches (padded, packed, or one
   micro-batch of 32 long rows, where jit(vmap(vjp)) miscomputed them on XLA:CPU), equal those of jax.grad of the
@@ -267,6 +268,7 @@ def test_update_signed_gradients_match_their_definition(case):
   assert np.isfinite(want["noise_intra_trace"]) and want["noise_intra_trace"] != 0
 
 
+@pytest.mark.slow
 def test_update_micro_batch_estimate_matches_its_definition():
   """End to end, micro-batches that split groups (groups of 3 in 2 micro-batches of 4 rows, prompt ids numbered
   past the rows): the update's estimates equal the reference's least squares over the micro-batch gradients' norms

@@ -48,6 +48,7 @@ def test_packing_round_trips_and_counts_the_micro_batches_it_fills():
       assert (np.diff(cols) == 1).all() and row_pos[cols].tolist() == list(range(len(cols)))
 
 
+@pytest.mark.slow
 def test_attention_stays_within_each_packed_sequence():
   """Logits of the packed rows equal those of each sequence alone (padded)."""
   batch = make_batch(2)
@@ -72,6 +73,7 @@ AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "cons
     dataclasses.replace(PPO, loss_agg="seq_mean_token_mean"),
     dataclasses.replace(PPO, share_backbone=True, vf_coef=0.5),
 ], ids=[*AGGREGATIONS, "grpo_tis_gspo", "ppo_separate", "ppo_shared"])
+@pytest.mark.slow
 def test_packed_update_equals_the_padded_one_on_one_device_and_eight(cfg, request):
   """Every config on one device; on eight (data, fsdp, tensor = 2, 2, 2) too for two of them (the packing does not
   depend on the loss)."""
@@ -95,6 +97,7 @@ def test_packed_update_equals_the_padded_one_on_one_device_and_eight(cfg, reques
 
 @pytest.mark.parametrize("cfg", [algo_config(old_logp="trainer"), PPO, dataclasses.replace(PPO, share_backbone=True)],
                          ids=["trainer_logp", "critic_separate", "critic_shared"])
+@pytest.mark.slow
 def test_trainer_logprobs_values_and_reference_over_packed_rows_equal_the_padded_ones(cfg):
   batch = make_batch(5)
   mesh = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
@@ -111,6 +114,7 @@ def test_trainer_logprobs_values_and_reference_over_packed_rows_equal_the_padded
   assert np.abs(np.asarray(packed[0])).sum() > 0 and (packed[1] is None) == (not cfg.critic)
 
 
+@pytest.mark.slow
 def test_packed_warm_start_step_equals_the_padded_one():
   batch = make_batch(6)
   mesh = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)

@@ -79,6 +79,7 @@ def _update(graphdef, params, batch, algo=algo_config()):
   return update(state, batch, jnp.float32(0.0), models=ModelDefs(graphdef, tx), cfg=algo, num_micro=2)
 
 
+@pytest.mark.slow
 def test_update_logs_router_figures_and_mismatch_counts_changed_decisions(models):
   graphdef, params = models[False]
   batch, experts = _batch(graphdef, params)
@@ -95,6 +96,7 @@ def test_update_logs_router_figures_and_mismatch_counts_changed_decisions(models
   assert "router_mismatch_frac" not in metrics and "expert_load_cv" in metrics
 
 
+@pytest.mark.slow
 def test_routing_replay_uses_the_recorded_experts_and_aux_loss_moves_the_router(models):
   graphdef, params = models[True]
   batch, experts = _batch(graphdef, params)

@@ -194,6 +194,7 @@ def test_the_sampling_config_group_splits_into_a_strategy_and_engine_settings():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.slow
 def test_generated_tokens_and_logprobs_match_full_forward(tiny, temperature):
   # 14 new tokens after 4 prompt slots cross three cache buckets (8, 16, 17 slots).
   graphdef, params = tiny
@@ -213,6 +214,7 @@ def test_generated_tokens_and_logprobs_match_full_forward(tiny, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.slow
 def test_pallas_backend_gives_the_xla_tokens(tiny, temperature):
   # Left-padded rows of 4, 3 and 2 prompt tokens: the kernel must skip the padding slots (starts_B).
   graphdef, params = tiny
@@ -256,6 +258,7 @@ def test_windows_of_one_full_cache_are_read_as_the_copied_buckets_were(in_place_
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.slow
 def test_in_place_windows_give_the_copied_caches_tokens(tiny, in_place_generate, temperature):
   graphdef, params = tiny
   prompt, valid = _group_prompts(0)

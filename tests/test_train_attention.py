@@ -154,6 +154,7 @@ def v5e_mesh():
   return sharding.make_mesh(data=1, fsdp=1, tensor=4, devices=devices)
 
 
+@pytest.mark.slow
 def test_splash_compiled_for_tpu_needs_a_fraction_of_dense_temporaries(v5e_mesh):
   """Forward + backward at Qwen2.5-1.5B's heads (12 query, 2 kv, head_dim 128), bf16, B=2, T=2048 on v5e:2x2 with
   tensor=4. Measured (libtpu 0.0.42.1): dense 53,011,456 temporary bytes per chip, splash 0 (its blocks live in

@@ -25,6 +25,7 @@ from tests.helpers import (B, N, ONE_DEVICE, P, PPO, UPDATE_CFG, assert_close_to
     dataclasses.replace(PPO, loss_agg="constant", loss_agg_constant=9.0),
     dataclasses.replace(PPO, share_backbone=True, vf_coef=0.5, loss_agg="seq_mean_token_sum"),
 ], ids=["grpo", "all_policy_knobs", "ppo_separate", "ppo_shared"])
+@pytest.mark.slow
 def test_micro_batches_and_devices_leave_the_update_unchanged(cfg):
   """One device and the whole mini-batch vs. 8 devices (data, fsdp, tensor = 2, 2, 2) and 2 micro-batches."""
   if jax.device_count() < 8:
@@ -45,6 +46,7 @@ TIS = algo_config(loss_agg="seq_mean_token_mean", entropy_coef=0.05, old_logp="t
 
 @pytest.mark.parametrize("cfg", [algo_config(), TIS, dataclasses.replace(TIS, tis_mode="mask")],
                          ids=["plain", "truncated_is", "decoupled_mask"])
+@pytest.mark.slow
 def test_loss_equals_hand_computation(cfg):
   batch = make_batch(1)
   rng = np.random.default_rng(5)
@@ -61,6 +63,7 @@ def test_loss_equals_hand_computation(cfg):
     assert metrics["tis_capped_frac"] > 0
 
 
+@pytest.mark.slow
 def test_kl_in_the_loss_matches_hand_computed_k3():
   mesh = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
   cfg = algo_config(kl_coef=0.5)
@@ -77,6 +80,7 @@ def test_kl_in_the_loss_matches_hand_computed_k3():
   assert_close_to_sum(with_kl["loss"], with_kl["policy_loss"] + 0.5 * with_kl["kl"], scale)
 
 
+@pytest.mark.slow
 def test_update_raises_logprob_of_positive_advantage_sequences():
   mesh = sharding.make_mesh(1, 1, 1, devices=ONE_DEVICE)
   models, state = setup(mesh, algo_config())
