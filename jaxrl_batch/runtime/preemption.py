@@ -19,10 +19,10 @@ from jax.experimental import multihost_utils
 class Stopped(Exception):
   """The run stopped on a signal after saving its checkpoint at `step`."""
 
-  def __init__(self, signum: int, step: int, directory: str):
+  def __init__(self, signum: int, step: int, directory: str, message: str = ""):
     self.signum, self.step = signum, step
-    super().__init__(f"Stopped on {signal.Signals(signum).name} after saving the checkpoint of step {step} in "
-                     f"{directory}; rerun the same command to resume.")
+    super().__init__(message or f"Stopped on {signal.Signals(signum).name} after saving the checkpoint of step {step} "
+                     f"in {directory}; rerun the same command to resume.")
 
 
 class StopSignals:

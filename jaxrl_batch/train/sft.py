@@ -111,13 +111,12 @@ class StoppedInWarmStart(Stopped):
 
   def __init__(self, signum: int, sft_step: int, sft_steps: int, cached: str = ""):
     name = signal.Signals(signum).name
-    Exception.__init__(  # pylint: disable=non-parent-init-called  (Stopped's message names a saved checkpoint)
-        self, f"Stopped on {name} once the warm start was trained and cached in {cached}, before the run's first "
+    super().__init__(signum, 0, cached, message=(
+        f"Stopped on {name} once the warm start was trained and cached in {cached}, before the run's first "
         "step. Rerun the same command to start from it." if cached else
         f"Stopped on {name} at SFT step {sft_step} of {sft_steps}, before the warm start finished: the base policy "
         "is cached only once trained, so nothing of it was saved, and the run had not started. Rerun the same "
-        "command to train the warm start again.")
-    self.signum, self.step = signum, 0
+        "command to train the warm start again."))
 
 
 def train(exp: Experiment, stop_signal=None):

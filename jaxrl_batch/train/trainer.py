@@ -57,6 +57,11 @@ def _format_example(example: dict) -> str:
 MAX_IDLE_STEPS = 20  # Consecutive steps without a trained rollout before the run stops with an error.
 
 
+def _crossed(previous: int, samples: int, every: int) -> bool:
+  """Whether going from `previous` to `samples` samples crosses a multiple of `every` (0: never)."""
+  return every > 0 and samples // every > previous // every
+
+
 class Trainer:
   """Runs one member of a batch family to its sample budget in `workdir` (resuming if it holds a checkpoint)."""
 
@@ -282,8 +287,7 @@ class Trainer:
   def _evaluates_at(self, previous: int | None, samples: int) -> bool:
     """Whether the step that took the run from `previous` samples (None: not known) to `samples` ends with an
     evaluation: each config.eval_every_samples crossed, and the last step."""
-    every = self.config.eval_every_samples
-    crossed = previous is not None and every > 0 and samples // every > previous // every
+    crossed = previous is not None and _crossed(previous, samples, self.config.eval_every_samples)
     return crossed or samples >= self.member.sample_budget
 
   def _check_log(self, step: int, samples: int) -> bool:
@@ -402,10 +406,10 @@ class Trainer:
                       cold=step == first_step + 1)
       self._pending = (counters, stats, timing, device_metrics)
       self._check_rewards(stats, step)
-      crossed = lambda every: every > 0 and samples // every > previous // every
       done = samples >= m.sample_budget
       stop = signals is not None and signals.should_stop(step)
-      evaluate, save = self._evaluates_at(previous, samples), crossed(c.checkpoint_every_samples) or done or stop
+      evaluate = self._evaluates_at(previous, samples)
+      save = _crossed(previous, samples, c.checkpoint_every_samples) or done or stop
       if evaluate or save or self.kl.target > 0:
         self._flush()
       if evaluate:
