@@ -156,8 +156,8 @@ def test_backend_dispatch():
   np.testing.assert_allclose(decode_attention(q, k, v, lengths, starts, backend="pallas"), want, atol=ATOL_F32)
   with pytest.raises(ValueError, match="'pallas', 'xla'"):
     decode_attention(q, k, v, lengths, backend="triton")
-  # Pallas only on GPU: interpret mode on CPU, and no TPU (Mosaic) form of the kernel yet.
-  assert default_backend() == ("pallas" if jax.default_backend() == "gpu" else "xla")
+  # The kernels on GPU (Triton) and TPU (Mosaic); on CPU Pallas only interprets.
+  assert default_backend() == ("xla" if jax.default_backend() == "cpu" else "pallas")
 
 
 def test_kernel_refuses_bad_shapes():
