@@ -113,6 +113,7 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
       partial=False,  # Partial rollouts: slots never drain; unfinished sequences continue next step (continuous).
       partial_budget=0,  # Decode steps a step runs at least before it stops (it stops once B rollouts are complete).
       max_lookahead=1,  # Prompts of up to this many steps ahead may start decoding while a step's batch completes.
+      carry_kv=True,  # Partial rollouts: carried sequences keep their slot's KV cache (False: re-prefilled each step).
   ))
   c.extra_response_tokens = 2  # Response budget beyond the longest correct answer (+EOS); longer = truncated.
 

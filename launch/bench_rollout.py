@@ -8,6 +8,8 @@ concurrency and response-length distribution, against the roofline.
     --slots=64 --prompt_len=16 --out=/tmp/bench_engines.json   # 512 long-tailed requests on 64 slots
   python -m launch.bench_rollout --engine=static,continuous --length_dist=lognormal:128:1024 --rollouts=512 \
     --slots=64 --prompt_len=16 --partial_budget=128   # + partial rollouts in steady state, 128 decode steps a step
+  python -m launch.bench_rollout --engine=continuous --length_dist=lognormal:128:1024 --rollouts=512 --slots=64 \
+    --prompt_len=16 --partial_budget=128 --carry_kv   # partial rollouts re-prefilled vs keeping their KV cache
   python -m launch.bench_rollout --num_experts=64 --num_experts_per_tok=8 --moe_d_ff=256 --concurrency=1,8,64 \
     --out=/tmp/bench_moe.json   # MoE, k x moe_d_ff = d_ff: experts read vs rows
   python -m launch.bench_rollout --engine=continuous,paged --length_dist=lognormal:128:1024 --rollouts=512 \
@@ -30,7 +32,8 @@ and how the roofline is computed: docs/results/2026-12-06-engine-notes.md and `j
 Writes --out (JSON, rewritten after each point, so a sweep cut short still reports): the settings, the machine's load
 (`os.getloadavg()` at the start and end), the rates measured before the sweep (`machine`), and per point one record
 per engine (`benchmark.sweep`), the continuous engine's with decode_speedup_vs_static; with --partial_budget one
-"partial" record more (`sampling.steady_state`). With --num_experts (a mixture-of-experts model) the records also
+"partial" record more (`sampling.steady_state`), and with --carry_kv a "partial_carry_kv" one (carried sequences keep
+their KV cache; both with decode_tok_s_vs_continuous when the continuous engine ran). With --num_experts (a mixture-of-experts model) the records also
 give the distinct experts a decode step reads per MoE layer, expected under uniform routing and measured.
 """
 import dataclasses
@@ -53,6 +56,8 @@ flags.DEFINE_list("slots", [], "Slots of each point with --rollouts (replacing -
 list_flags.integers("slots", 1, "slots of a point", "8,32")
 flags.DEFINE_integer("partial_budget", 0, "> 0: also emulate partial rollouts in steady state, this many decode "
                      "steps per RL step (needs --length_dist and --rollouts).")
+flags.DEFINE_bool("carry_kv", False, "With --partial_budget: also partial rollouts whose carried sequences keep "
+                  "their slots' KV cache (record partial_carry_kv), taking turns with the re-prefilling ones.")
 flags.DEFINE_integer("page_size", 16, "The paged engine's slots per page.")
 flags.DEFINE_integer("pages", 0, "The paged engine's growable pages (0 = every slot at the longest response).")
 flags.DEFINE_integer("d_model", 768, "Model width D.")

@@ -101,16 +101,23 @@ def test_a_paged_cache_at_more_slots_in_less_memory(tmp_path):
 
 @pytest.mark.slow
 def test_partial_rollouts_in_steady_state(tmp_path):
-  # 48 long-tailed requests on 4 slots, steps of 6 decode steps: sequences are carried over and re-prefilled, and
-  # the steady-state steps keep more of the slot-steps busy than the static engine's blocks.
+  # 48 long-tailed requests on 4 slots, steps of 6 decode steps: sequences are carried over and re-prefilled (or,
+  # with carry_kv, kept in their slots), and the steady-state steps keep more of the slot-steps busy than the
+  # static engine's blocks.
   out = tmp_path / "bench.json"
-  s = dataclasses.replace(TINY, **ENGINES, length_dist="lognormal:6:24", rollouts=48, slots=(4,), partial_budget=6)
+  s = dataclasses.replace(TINY, **ENGINES, length_dist="lognormal:6:24", rollouts=48, slots=(4,), partial_budget=6,
+                          carry_kv=True)
   report = bench_rollout.run(s, str(out))
-  static, _, partial = report["results"]
+  static, _, partial, kept = report["results"]
   assert partial["engine"] == "partial" and partial["steady_steps"] > 0 and partial["carried_mean"] > 0
-  assert partial["useful_token_frac"] > static["useful_token_frac"]
-  assert partial["slot_steps"] % 4 == 0 and partial["decoded"] <= partial["slot_steps"]
-  assert math.isfinite(partial["decode_speedup_vs_static"]) and partial["decode_tok_s"] > 0
+  assert kept["engine"] == "partial_carry_kv" and (partial["carry_kv"], kept["carry_kv"]) == (False, True)
+  assert partial["reprefilled"] > 0 and partial["reprefill_s"] > 0
+  assert kept["reprefilled"] == 0 and kept["reprefill_s"] == 0 and kept["carried_mean"] > 0
+  for record in (partial, kept):
+    assert record["useful_token_frac"] > static["useful_token_frac"]
+    assert record["slot_steps"] % 4 == 0 and record["decoded"] <= record["slot_steps"]
+    assert math.isfinite(record["decode_speedup_vs_static"]) and record["decode_tok_s"] > 0
+    assert record["decode_tok_s_vs_continuous"] > 0
 
 
 @pytest.mark.slow
@@ -171,7 +178,7 @@ def test_length_distributions():
 @pytest.mark.parametrize("change", [{"rollouts": 8}, {"slots": (2,)}, {"engine": ("slots",)},
                                     {"engine": ("static", "static")}, {"length_dist": "lognormal:5"},
                                     {"length_dist": "fixed:1"}, {"rollouts": 6, "slots": (4,)},
-                                    {"length_dist": "fixed:4", "compare_hf": True}, {"partial_budget": 4},
+                                    {"length_dist": "fixed:4", "compare_hf": True}, {"partial_budget": 4}, {"carry_kv": True},
                                     {"engine": ("paged",), "page_size": 0}])
 def test_settings_refused(change):
   with pytest.raises(ValueError):

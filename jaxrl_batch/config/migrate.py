@@ -24,6 +24,7 @@ ADDED = {
     "log_samples_count": 0,
     "log_samples_max_chars": 0,
     "rollout": dict(partial=False, partial_budget=0, max_lookahead=1),  # Every step's rollouts run to their end.
+    "rollout.carry_kv": False,  # Carried partial rollouts were re-prefilled under the new weights every step.
     "rollout_mesh": dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1, process_cores=""),  # Colocated generation.
     "rollout_mesh.process_cores": "",  # Generation in the learner's process.
     "rl.max_staleness": 0,  # Synchronous.

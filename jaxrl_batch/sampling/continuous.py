@@ -3,7 +3,8 @@
 Why: with long-tailed response lengths the static engine's block runs to its longest row while the others idle.
 Here the host refills free slots between chunks of `sampling.chunk` decode steps (one small upload and one download
 per chunk), each prompt is prefilled once for its G samples, and a sequence carried over or preempted is
-re-prefilled; a paged cache (`sampling.page_size` > 0) makes memory follow the live tokens. A request's tokens
+re-prefilled, or, carried over with its slot (`KeptSlots`, `rollout.carry_kv`), continues on the keys/values already
+in its slot's cache; a paged cache (`sampling.page_size` > 0) makes memory follow the live tokens. A request's tokens
 depend only on (key, request, token index), not on the slots or the chunk: greedy gives `generate`'s tokens.
 `scheduler` decides which request each slot decodes; this module holds the device programs and the loop that runs
 those decisions (docs/results/2026-12-06-engine-notes.md has the details and the cost in host syncs).
@@ -65,6 +66,16 @@ class _Slots(NamedTuple):
   live_S: jax.Array  # bool, still decoding
 
 
+class KeptSlots(NamedTuple):
+  """Slots kept from one `decode` call for the next (`rollout.carry_kv`, PipelineRL's in-flight weight update): the
+  device `state` the earlier call left (its cache holds the keys/values of the weights that wrote them, its counts
+  and positions each sequence's place), `slot_R`, host int (R,), the slot of each request of the next call that
+  continues in one (-1: none), and `p`, the prompt slots of the call that wrote the cache (calls must agree)."""
+  state: _Slots
+  slot_R: np.ndarray
+  p: int
+
+
 class Outputs(NamedTuple):
   """Per request: tokens_RxN and logprobs_RxN as chosen (stale beyond the length), lengths_R, eos_R (ended by
   EOS), and for an MoE model experts_RxNxLxK, the int16 experts of each token this call fed (-1 for the others,
@@ -81,7 +92,7 @@ class EngineStats:
   """Host figures of one rollout: `chunks` run (host syncs: one upload and one download each), `slot_steps`
   (slots x decode steps run, live or not), `decoded` (tokens chosen by decode steps: every token but each
   request's first, which comes from the prefill), `reprefill_s`, the seconds spent re-prefilling carried-over or
-  preempted sequences (0 without them), and with a paged cache `preempted` (sequences evicted when the pool ran
+  preempted sequences (0 without them), `reprefilled` (how many; kept slots are not), and with a paged cache `preempted` (sequences evicted when the pool ran
   short, re-prefilled later) and `pages_peak` (the most growable pages held at once)."""
   chunks: int
   slot_steps: int
@@ -89,6 +100,7 @@ class EngineStats:
   reprefill_s: float = 0.0
   preempted: int = 0
   pages_peak: int = 0
+  reprefilled: int = 0
 
   @property
   def useful_token_frac(self) -> float:
@@ -147,12 +159,16 @@ def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int, page
     cache = KVCache(tuple(jnp.zeros((s, *k.shape[1:3], length), k.dtype) for k in like.k_layers),
                     tuple(jnp.zeros((s, v.shape[1], length, v.shape[3]), v.dtype) for v in like.v_layers))
   state = _Slots(cache, jnp.full((s,), r, jnp.int32), zeros_S, zeros_S, zeros_S, zeros_S, jnp.zeros((s,), bool))
+  return state, _fresh_outputs(prefix, requests)
+
+
+def _fresh_outputs(prefix: _Prefix, requests: Requests) -> Outputs:
+  """Output buffers (the chunks donate them) holding the requests' tokens so far."""
   experts = prefix.experts_QxPxLxK
-  outputs = Outputs(jnp.copy(requests.tokens_RxN), jnp.copy(requests.logprobs_RxN), jnp.copy(requests.lengths_R),
-                    jnp.zeros_like(requests.lengths_R, bool),
-                    None if experts is None else jnp.full((*requests.tokens_RxN.shape, *experts.shape[2:]), -1,
-                                                          jnp.int16))
-  return state, outputs
+  return Outputs(jnp.copy(requests.tokens_RxN), jnp.copy(requests.logprobs_RxN), jnp.copy(requests.lengths_R),
+                 jnp.zeros_like(requests.lengths_R, bool),
+                 None if experts is None else jnp.full((*requests.tokens_RxN.shape, *experts.shape[2:]), -1,
+                                                       jnp.int16))
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,8 +182,19 @@ def _starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0,
     return jax.jit(start)
   cache = KVCache(*(tuple(row_sharding(4) for _ in range(layers)),) * 2)
   state = _Slots(cache, *(row_sharding(1),) * 6)
-  return jax.jit(start, out_shardings=(state, Outputs(row_sharding(2), row_sharding(2), row_sharding(1),
-                                                      row_sharding(1), row_sharding(4) if moe else None)))
+  return jax.jit(start, out_shardings=(state, _outputs_sharding(row_sharding, moe)))
+
+
+def _outputs_sharding(row_sharding, moe: bool) -> Outputs:
+  return Outputs(row_sharding(2), row_sharding(2), row_sharding(1), row_sharding(1), row_sharding(4) if moe else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _outputs_starter(row_sharding, moe: bool):
+  """`_fresh_outputs` jitted, laid out as `_starter`'s: the outputs of a call whose slots are kept."""
+  if row_sharding is None:
+    return jax.jit(_fresh_outputs)
+  return jax.jit(_fresh_outputs, out_shardings=_outputs_sharding(row_sharding, moe))
 
 
 def _new_requests(budget_B, batch: int, group_size: int, max_new_tokens: int, pad_id: int) -> Requests:
@@ -354,12 +381,15 @@ class Decoded:
   """What `decode` leaves: the outputs (device) and, on the host, which requests ended (`ended_R`, by EOS or
   budget), how many tokens each request in flight at the stop holds (`held_R`: 0 for the others; an ended
   request's length is in the outputs) and the figures; for an MoE model, the experts of the Q prompts' tokens
-  (device int16 (Q, P', L, K), P' >= P: a paged cache pads prompts on the left; None for a dense model)."""
+  (device int16 (Q, P', L, K), P' >= P: a paged cache pads prompts on the left; None for a dense model); and the
+  slots at the stop, `kept` (`KeptSlots`: its slot_R names the slot of each of this call's requests in flight), for
+  a next call that keeps them (slot cache only; None with a paged cache)."""
   outputs: Outputs
   ended_R: np.ndarray
   held_R: np.ndarray
   stats: EngineStats
   prompt_experts_QxPxLxK: jax.Array | None = None
+  kept: KeptSlots | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("pad",))
@@ -387,18 +417,30 @@ def _page_table(engine: EngineSettings, slots: int, prompts: int, prompt_len: in
   return PageTable(slots=slots, first=prompts * (prompt_len // c), pages=pool, page_size=c)
 
 
+@functools.partial(jax.jit, static_argnames=("r",), donate_argnums=(0,))
+def _renamed(state: _Slots, request_S, r: int) -> _Slots:
+  """Kept slots under this call's request rows `request_S` (r: none, the slot is free and stops)."""
+  return state._replace(request_S=request_S, live_S=state.live_S & (request_S < r))
+
+
 class _Run:
   """The device side of one `decode` call: what every chunk reads (weights, the prompts' prefix, the requests, the
   key), the arrays the chunks pass on (slots, outputs) and the figures of the chunks run. With a paged cache,
-  `pages` is the page table the scheduler fills and each chunk lays out."""
+  `pages` is the page table the scheduler fills and each chunk lays out. With `kept` slots, their state goes on
+  (its request rows renamed to this call's by the first chunk's upload) and only the outputs are new."""
 
   def __init__(self, graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, rng, *, eos_id: int,
-               sampling: Strategy, engine: EngineSettings, slots: int, row_sharding):
+               sampling: Strategy, engine: EngineSettings, slots: int, row_sharding, kept: KeptSlots | None):
     self.graphdef, self.params, self.requests, self.rng = graphdef, params, requests, rng
     self.eos_id, self.sampling, self.engine, self.n = eos_id, sampling, engine, requests.tokens_RxN.shape[1]
-    self.chunks = self.slot_steps = self.decoded = 0
+    self.chunks = self.slot_steps = self.decoded = self.reprefilled = 0
     self.reprefill_s = 0.0
+    self.renamed_S = None  # host int32 (S,): the kept slots' request rows in this call, until the first chunk
     c = engine.page_size
+    if kept is not None and c:
+      raise ValueError("Kept slots (rollout.carry_kv=True) need the slot cache: a paged cache's prompt pages are "
+                       "rebuilt by every call. Set rollout.carry_kv=False (carried sequences re-prefilled) or "
+                       "sampling.page_size=0.")
     if c:
       if row_sharding is not None and len(row_sharding(1).device_set) > 1:
         raise ValueError("sampling.page_size > 0 (a paged KV cache) runs on one device per rollout for now: shard "
@@ -411,6 +453,16 @@ class _Run:
       self.pages = _page_table(engine, slots, prompt_QxP.shape[0], self.p, self.n)
       self.state, self.outputs = _starter(slots, 0, layers, None, self.pages.pages, c, moe)(self.prefix, requests)
       self.prefix = self.prefix._replace(cache=None)
+    elif kept is not None:
+      if kept.p != self.p or kept.state.live_S.shape[0] != slots:
+        raise ValueError(f"Kept slots of a call with {kept.p} prompt slots and {kept.state.live_S.shape[0]} slots "
+                         f"cannot go on in one with {self.p} and {slots}.")
+      self.pages, self.buckets = None, cache_buckets(self.p, self.n, engine.backend)
+      self.state, self.outputs = kept.state, _outputs_starter(row_sharding, moe)(self.prefix, requests)
+      r = requests.budget_R.shape[0]
+      self.renamed_S = np.full(slots, r, np.int32)
+      held = np.flatnonzero(np.asarray(kept.slot_R) >= 0)
+      self.renamed_S[np.asarray(kept.slot_R)[held]] = held
     else:
       self.pages, self.buckets = None, cache_buckets(self.p, self.n, engine.backend)
       self.state, self.outputs = _starter(slots, self.buckets[0], layers, row_sharding, moe=moe)(self.prefix, requests)
@@ -433,13 +485,16 @@ class _Run:
     and one download (the "slots" crossing). Returns the host bool (S,) slots still live and the steps run."""
     fed = fed_bucket(plan.resumed_longest, self.n) if plan.resuming else 0
     own_SxM = self._laid_out(plan, fed)
-    admit_S, resume_S, own_SxM = transfer.to_device("admit", (plan.admit_S, plan.resume_S, own_SxM),
-                                                    self.state.live_S.sharding)
+    admit_S, resume_S, own_SxM, renamed_S = transfer.to_device(
+        "admit", (plan.admit_S, plan.resume_S, own_SxM, self.renamed_S), self.state.live_S.sharding)
+    if renamed_S is not None:  # kept slots: the same sequences, under this call's request rows
+      self.state, self.renamed_S = _renamed(self.state, renamed_S, self.requests.budget_R.shape[0]), None
     if plan.resuming:
       t0 = time.perf_counter()
       self.state = jax.block_until_ready(_resume(self.graphdef, self.params, self.state, self.outputs, self.prefix,
                                                  self.requests, resume_S, own_SxM, fed=fed))
       self.reprefill_s += time.perf_counter() - t0
+      self.reprefilled += int((plan.resume_S >= 0).sum())
     self.state, self.outputs, steps, tokens = _chunk(
         self.graphdef, self.params, self.state, self.outputs, self.prefix, self.requests, admit_S, self.rng, own_SxM,
         steps=self.engine.chunk, eos_id=self.eos_id, sampling=self.sampling,
@@ -452,7 +507,7 @@ class _Run:
 
 def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, held_R, order, rng, *, eos_id: int,
            sampling: Strategy, engine: EngineSettings, slots: int, stop=None, row_sharding=None,
-           on_ended=None) -> Decoded:
+           on_ended=None, kept: KeptSlots | None = None) -> Decoded:
   """Decodes `requests` (device) by `sampling` on `slots` slots, in chunks of `engine.chunk` decode steps,
   admitting them in `order` (host request indices). Requests with held_R > 0 (host int (R,), the lengths of
   `requests`) hold a partial sequence: they queue first and are re-prefilled under `params` as they take slots;
@@ -465,11 +520,15 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
   With sampling.page_size = C > 0 the cache is paged (`model.PagedKVCache`, one device): the prompts are
   left-padded to a multiple of C and prefilled into shared prompt pages, and each slot takes pages of a pool of
   sampling.pages (0 = enough for every slot at the longest length) a chunk ahead; when the pool runs short the
-  scheduler preempts (`scheduler.Scheduler`)."""
+  scheduler preempts (`scheduler.Scheduler`).
+
+  `kept` (`KeptSlots`, from an earlier call's `Decoded.kept`, with slot_R naming this call's rows): those slots
+  keep their cache and continue their sequences without a re-prefill (the requests hold their tokens so far, held_R
+  their counts); new requests take the free slots; the prefix need not hold their prompts. Slot cache only."""
   run = _Run(graphdef, params, prompt_QxP, prompt_valid_QxP, requests, rng, eos_id=eos_id, sampling=sampling,
-             engine=engine, slots=slots, row_sharding=row_sharding)
+             engine=engine, slots=slots, row_sharding=row_sharding, kept=kept)
   scheduler = Scheduler(slots=slots, order=order, held_R=held_R, chunk=engine.chunk, max_new_tokens=run.n,
-                        pages=run.pages)
+                        pages=run.pages, slot_R=None if kept is None else kept.slot_R)
   while scheduler.pending:
     ended = scheduler.finish(*run.chunk(scheduler.plan()))
     if on_ended is not None and len(ended):
@@ -477,8 +536,11 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
     if stop is not None and stop(scheduler.ended_R, run.slot_steps // slots):
       break
   stats = EngineStats(chunks=run.chunks, slot_steps=run.slot_steps, decoded=run.decoded, reprefill_s=run.reprefill_s,
-                      preempted=scheduler.preempted, pages_peak=scheduler.pages_peak)
-  return Decoded(run.outputs, scheduler.ended_R, scheduler.held(), stats, run.prefix.experts_QxPxLxK)
+                      preempted=scheduler.preempted, pages_peak=scheduler.pages_peak, reprefilled=run.reprefilled)
+  slot_R = np.full(len(scheduler.ended_R), -1, np.int64)
+  slot_R[scheduler.request_S[scheduler.live_S]] = np.flatnonzero(scheduler.live_S)
+  kept_now = None if run.pages is not None else KeptSlots(run.state, slot_R, run.p)
+  return Decoded(run.outputs, scheduler.ended_R, scheduler.held(), stats, run.prefix.experts_QxPxLxK, kept_now)
 
 
 def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,

@@ -2,7 +2,8 @@
 
 Before a chunk, `plan` preempts (with a paged cache: while the pool cannot cover the live sequences' next chunk,
 the latest started one gives its pages back and queues first again), then admits queued requests into free slots,
-those holding tokens first (they are re-prefilled: "resumed"). After it, `finish` takes which slots are still live
+those holding tokens first (they are re-prefilled: "resumed"; a request kept in its slot from an earlier call
+starts there instead). After it, `finish` takes which slots are still live
 and frees the others. `continuous.decode` carries the decisions out on the device; nothing here touches a model, so
 the policy is tested with fake requests.
 """
@@ -34,14 +35,23 @@ class Plan:
 class Scheduler:
   """Host state of `slots` slots decoding the requests of `order` (indices), `held_R` tokens each so far (0 for a
   new request), in chunks of up to `chunk` decode steps of sequences of at most `max_new_tokens` tokens; `pages`
-  holds the own pages of a paged cache (None: a slot cache, which never runs short)."""
+  holds the own pages of a paged cache (None: a slot cache, which never runs short). `slot_R` (int (R,), -1: none)
+  names the slot each request kept from an earlier call already decodes in (`continuous.KeptSlots`): it starts
+  there, live, holding its held_R tokens, and never queues."""
 
-  def __init__(self, *, slots: int, order, held_R, chunk: int, max_new_tokens: int, pages: PageTable | None = None):
+  def __init__(self, *, slots: int, order, held_R, chunk: int, max_new_tokens: int, pages: PageTable | None = None,
+               slot_R=None):
     self.held_R = np.array(held_R, np.int64)
-    self.queue = collections.deque(sorted(order, key=lambda i: self.held_R[i] == 0))  # the carried first, in order
+    slot_R = np.full(len(self.held_R), -1, np.int64) if slot_R is None else np.asarray(slot_R, np.int64)
+    queued = [i for i in order if slot_R[i] < 0]
+    self.queue = collections.deque(sorted(queued, key=lambda i: self.held_R[i] == 0))  # the carried first, in order
     self.request_S = np.full(slots, -1, np.int64)
     self.count_S = np.zeros(slots, np.int64)  # tokens each slot's sequence holds
     self.live_S = np.zeros(slots, bool)
+    kept = np.flatnonzero(slot_R >= 0)
+    if (self.held_R[kept] < 1).any() or len(set(slot_R[kept].tolist())) < len(kept):
+      raise ValueError("Kept requests must hold tokens, each in a slot of its own.")
+    self.request_S[slot_R[kept]], self.count_S[slot_R[kept]], self.live_S[slot_R[kept]] = kept, self.held_R[kept], True
     self.ended_R = np.zeros(len(self.held_R), bool)
     self.pages, self.preempted, self.pages_peak = pages, 0, 0
     self._started_S, self._started = np.zeros(slots, np.int64), 0  # start order: preemption takes the latest

@@ -6,15 +6,19 @@ when step s's own sequences end, its slots go on with later prompts instead of i
 s's generation stops at the first chunk boundary where (a) at least P groups are complete (all G samples ended,
 counting those finished in earlier steps and not yet trained) and (b) `rollout.partial_budget` decode steps have
 run this step (0: no minimum). It trains on the P oldest complete groups (prompt step, then group); the other
-finished groups wait for the next step, and the sequences still in flight are carried over: at the next step they
-are re-prefilled from their prompt and tokens under the new weights and continue. Every token records the step
-whose policy sampled it, so the loss can use the behaviour log-probs (`rl.old_logp=sampler`, or `trainer` with
-`rl.tis_cap`) and the metrics report the lag.
+finished groups wait for the next step, and the sequences still in flight are carried over. With
+`rollout.carry_kv` (PipelineRL's in-flight weight update) they keep their slot and its KV cache: the next step's
+engine call continues them under the new weights on the keys/values the older weights wrote, and new requests take
+only the free slots. Without it (AReaL's way) they are re-prefilled from their prompt and tokens under the new
+weights and continue. Every token records the step whose policy sampled it, so the loss can use the behaviour
+log-probs (`rl.old_logp=sampler`, or `trainer` with `rl.tis_cap`) and the metrics report the lag.
 
 A token at index t of request u (u = prompt step x B + row) is drawn with the key fold_in(fold_in(k, u), t),
 k = `streams.sampling_key(streams.partial_key_data(seed))`: where a sequence is cut does not change its draws.
 The carried sequences, the finished groups waiting and the stream's position are run state, saved in every
-checkpoint's meta (`state_dict`), so a resumed run continues exactly.
+checkpoint's meta (`state_dict`), so a resumed run continues exactly; the kept KV cache is not saved: after a
+resume the carried sequences are re-prefilled once under the restored weights, then kept again (with carry_kv the
+resumed run's tokens after the restart differ from the uninterrupted run's, within the lag both already have).
 
 Host crossings of a step: the request table up ("prompts": prompts, carried tokens and their log-probs), one
 upload and one download per chunk ("admit", "slots"), every request's tokens down ("tokens"), the trained batch up
@@ -59,16 +63,21 @@ class PartialCollector(Collector):
                        "recorded across steps yet, so nothing would be replayed. Turn one of them off.")
     if self.member.algo.dynamic_sampling:
       raise ValueError("rollout.partial=True does not combine with rl.dynamic_sampling yet: turn one of them off.")
+    if cfg.carry_kv and exp.engine.page_size:
+      raise ValueError("rollout.carry_kv=True keeps carried sequences in the slot cache; a paged cache "
+                       "(sampling.page_size > 0) rebuilds its prompt pages every step. Set rollout.carry_kv=False "
+                       "(carried sequences re-prefilled) or sampling.page_size=0.")
     if cfg.partial_budget < 0 or cfg.max_lookahead < 0:
       raise ValueError(f"rollout.partial_budget={cfg.partial_budget} and rollout.max_lookahead={cfg.max_lookahead} "
                        "must be >= 0.")
-    self.budget, self.lookahead = int(cfg.partial_budget), int(cfg.max_lookahead)
+    self.budget, self.lookahead, self.carry_kv = int(cfg.partial_budget), int(cfg.max_lookahead), bool(cfg.carry_kv)
     m = self.member
     self.slots = self.slots or m.batch_size
     # Requests and prompt rows of one call: carried + new.
     self.capacity, self.prompt_capacity = capacity(self.slots, m.batch_size, m.num_prompts, self.lookahead)
     self.next_uid = 0  # the stream's first request not yet started
-    self.carried: list[dict] = []  # in flight at the last stop: uid, prompt row, tokens so far, ...
+    self.carried: list[dict] = []  # in flight at the last stop: uid, prompt row, tokens so far, slot (carry_kv)...
+    self.kept: continuous.KeptSlots | None = None  # carry_kv: the engine's slots at the last stop (not saved)
     self.finished: dict[int, dict] = {}  # ended, not yet trained, by uid
     self._problems: dict[int, list] = {}
 
@@ -97,7 +106,8 @@ class PartialCollector(Collector):
                   full(d["logps"], np.float32, 0.0), full(d["versions"], np.int32, 0), len(d["tokens"]), d["eos"],
                   d["reward"])
     self.next_uid = int(state["next_uid"])
-    self.carried = [seq(d) for d in state["carried"]]
+    self.carried = [seq(d) for d in state["carried"]]  # no slot: re-prefilled once
+    self.kept = None
     self.finished = {d["uid"]: seq(d) for d in state["finished"]}
 
   # -- the stream -----------------------------------------------------------------------------------------------
@@ -147,6 +157,11 @@ class PartialCollector(Collector):
         (sharding.replicated(exp.mesh),) * 2 + (rows,) * 3 + (sharding.batch_sharding(exp.mesh, 2),) * 2 +
         (rows, sharding.replicated(exp.mesh)))
     requests = continuous.Requests(*device[2:8])
+    kept = None
+    if self.kept is not None:  # carry_kv: the carried sequences' slots, under their rows of this call
+      slot_R = np.full(r, -1, np.int64)
+      slot_R[:len(self.carried)] = [seq.get("slot", -1) for seq in self.carried]
+      kept = self.kept._replace(slot_R=slot_R)
 
     def stop(ended_R, decode_steps):
       ended = {int(uid_R[i]) for i in np.flatnonzero(ended_R)}
@@ -154,7 +169,8 @@ class PartialCollector(Collector):
 
     out = continuous.decode(graphdef, params, device[0], device[1], requests, held_R, range(len(reqs)),
                             _sampling_key(device[8]), eos_id=exp.stop_id, sampling=exp.strategy, engine=exp.engine,
-                            slots=self.slots, stop=stop, row_sharding=self._row_sharding)
+                            slots=self.slots, stop=stop, row_sharding=self._row_sharding, kept=kept)
+    self.kept = out.kept if self.carry_kv else None
     tokens_RxN, logps_RxN, lengths_R, eos_R = transfer.to_host("tokens", tuple(out.outputs)[:4])
     ended, carried = [], []
     for i, req in enumerate(reqs):
@@ -168,6 +184,8 @@ class PartialCollector(Collector):
       versions[int(held_R[i]):length] = step
       seq = _seq(req["uid"], req["prompt"], req["problem"], tokens_RxN[i].copy(), logps_RxN[i].copy(), versions,
                  length, out.ended_R[i] and eos_R[i])
+      if self.kept is not None and not out.ended_R[i]:
+        seq["slot"] = int(self.kept.slot_R[i])
       (ended if out.ended_R[i] else carried).append(seq)
     self.carried = carried
     return out.stats, ended
