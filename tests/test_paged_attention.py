@@ -1,6 +1,7 @@
 """Paged decode attention: the reference against `decode_attention_reference` on the dense cache the pages spell out;
 both backends (gathered pages through XLA, and the Pallas kernel) against the reference on ragged spans over shared,
-NaN-filled pages; the dispatch; and lowering for cuda (the Triton kernel, reading the pool in place) and TPU.
+NaN-filled pages; the dispatch; and lowering for cuda (the Triton kernel, reading the pool in place) and TPU (the
+Mosaic kernel, also in place; run by the TPU interpreter in test_tpu_decode_attention.py).
 
 The kernel runs in interpret mode unless JAXRL_PALLAS_INTERPRET=0 (on a GPU); every shape the kernel runs at here
 (H and C powers of two >= 16) is one Triton compiles.
@@ -171,9 +172,13 @@ def test_triton_needs_power_of_two_heads_and_pages():
       _lowers("pallas", "cuda", *_shapes(2, 4, 2, h, c, p=5, m=3))
 
 
-def test_pallas_backend_refuses_tpu_by_name():
-  with pytest.raises(ValueError, match='paged_decode_attention.*TPU.*backend "xla" on TPU'):
-    _lowers("pallas", "tpu", *_shapes(2, 4, 2, 16, 16, p=5, m=3))
+def test_pallas_backend_lowers_to_one_mosaic_kernel_for_tpu():
+  # The TPU branch is the Mosaic kernel (`kernels.tpu_decode_attention`), reading the pool in place: no gather,
+  # transpose or slice of the pages, no interpreted loops. Pages of 128 slots (the keys' lanes), G = 6.
+  text = _lowers("pallas", "tpu", *_shapes(3, 12, 2, 128, 128, p=37, m=5))
+  assert text.count(MOSAIC) == 1 and TRITON not in text and WHILE not in text
+  assert "stablehlo.gather" not in text and "stablehlo.transpose" not in text
+  assert not any("slice" in line and "37x2x" in line for line in text.splitlines())
 
 
 def test_xla_backend_lowers_for_tpu():

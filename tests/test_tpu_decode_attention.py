@@ -11,9 +11,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_batch.kernels import decode_attention, decode_attention_reference, decode_attention_xla
+from jaxrl_batch.kernels import (decode_attention, decode_attention_reference, decode_attention_xla,
+                                 paged_decode_attention, paged_decode_attention_reference, paged_decode_attention_xla)
 from jaxrl_batch.kernels.decode_attention import backend_for
-from jaxrl_batch.kernels.tpu_decode_attention import _live_block, decode_attention_mosaic
+from jaxrl_batch.kernels.tpu_decode_attention import (_live_block, _live_page, decode_attention_mosaic,
+                                                     paged_decode_attention_mosaic)
 from jaxrl_batch.runtime import sharding
 
 MOSAIC = "tpu_custom_call"
@@ -153,3 +155,92 @@ def test_grid_steps_name_each_live_block_once_and_no_other(start, length, live):
   # are the distinct ones (an empty span names one block and uses none).
   blocks = [int(_live_block(i, jnp.int32(start), jnp.int32(length), 128)) for i in range(3)]
   assert blocks == sorted(blocks) and sorted(set(blocks)) == live
+
+
+def _paged(q, k, v, starts, lengths, c, seed=0):
+  """The dense cache k, v (S a multiple of C) scattered page by page into a pool at random, with NaN in every slot
+  outside the rows' spans and in the spare pages; returns (k_pages, v_pages, table_BxM)."""
+  b, kv, h, s = k.shape
+  m = s // c
+  k_nan, v_nan = _with_nan_outside(k, v, starts, lengths)
+  p = b * m + 3
+  page_BxM = np.random.default_rng(seed).permutation(p)[:b * m].reshape(b, m)
+  k_pages = np.full((p, kv, h, c), np.nan, np.float32)
+  v_pages = np.full((p, kv, c, h), np.nan, np.float32)
+  k_pages[page_BxM] = np.asarray(k_nan, np.float32).reshape(b, kv, h, m, c).transpose(0, 3, 1, 2, 4)
+  v_pages[page_BxM] = np.asarray(v_nan, np.float32).reshape(b, kv, m, c, h).transpose(0, 2, 1, 3, 4)
+  return jnp.asarray(k_pages, k.dtype), jnp.asarray(v_pages, v.dtype), jnp.asarray(page_BxM, jnp.int32)
+
+
+# 5 pages of 64 slots (320). Rows as STARTS, LENGTHS: the spans cross pages, end mid-page and on page boundaries.
+PAGED_STARTS = jnp.array([0, 0, 0, 64, 130, 5, 200, 90, -4], jnp.int32)
+PAGED_LENGTHS = jnp.array([320, 1, 0, 256, 330, 77, 200, 60, 140], jnp.int32)
+
+
+@pytest.mark.parametrize("n,kv,dtype,atol,block_pages", [
+    pytest.param(12, 2, jnp.float32, 1e-5, 2, id="qwen-groups-of-6-f32-2-pages-a-step"),
+    pytest.param(12, 2, jnp.bfloat16, 2e-2, 4, id="qwen-groups-of-6-bf16-4-pages-a-step"),
+    pytest.param(3, 1, jnp.float32, 1e-5, 1, id="mqa-3-a-page-a-step"),
+])
+def test_paged_kernel_matches_reference_in_the_tpu_interpreter(n, kv, dtype, atol, block_pages):
+  q, k, v = _inputs(len(PAGED_LENGTHS), n, kv, 16, 320, dtype, seed=5)
+  k_pages, v_pages, table = _paged(q, k, v, PAGED_STARTS, PAGED_LENGTHS, 64)
+  got = paged_decode_attention_mosaic(q, k_pages, v_pages, table, PAGED_LENGTHS, PAGED_STARTS,
+                                      block_pages=block_pages, interpret=True)
+  want = decode_attention_reference(q, k, v, PAGED_LENGTHS, PAGED_STARTS)
+  assert got.shape == q.shape and got.dtype == q.dtype
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol)
+  np.testing.assert_array_equal(np.asarray(got, np.float32)[EMPTY], 0.0)
+  np.testing.assert_allclose(paged_decode_attention_reference(q, k_pages, v_pages, table, PAGED_LENGTHS,
+                                                              PAGED_STARTS).astype(jnp.float32),
+                             np.asarray(want, np.float32), atol=atol)
+
+
+def test_paged_kernel_on_a_mesh_without_starts():
+  # tensor = 2 splits the pool's 2 kv heads; rows over data = 4; the pool is not split by rows (rows share pages).
+  mesh = sharding.make_mesh(data=4, fsdp=1, tensor=2, devices=jax.devices()[:8])
+  q, k, v = _inputs(4, 4, 2, 16, 128, seed=6)
+  lengths = jnp.array([128, 70, 0, 33], jnp.int32)
+  k_pages, v_pages, table = _paged(q, k, v, jnp.zeros(4, jnp.int32), lengths, 32, seed=6)
+  with jax.set_mesh(mesh):
+    got = paged_decode_attention_mosaic(q, k_pages, v_pages, table, lengths, interpret=True)
+  np.testing.assert_allclose(got, decode_attention_reference(q, k, v, lengths), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_paged_compiles_for_v5p_reading_only_the_pages_it_is_told(v5p):
+  # qwen2.5-1.5b's attention over a pool of 128-slot pages on one chip: the kernel's cost is one read of the pages the
+  # table names (every row at full length), the pool read in place; the XLA form gathers the pages first.
+  b, n, kv, h, c, m = 8, 12, 2, 128, 128, 8
+  p = b * m + 5
+  sds = jax.ShapeDtypeStruct
+  sharded = NamedSharding(sharding.make_mesh(1, 1, 1, devices=v5p[:1]), P())
+  args = (sds((b, n, h), jnp.bfloat16, sharding=sharded), sds((p, kv, h, c), jnp.bfloat16, sharding=sharded),
+          sds((p, kv, c, h), jnp.bfloat16, sharding=sharded), sds((b, m), jnp.int32, sharding=sharded),
+          sds((b,), jnp.int32, sharding=sharded), sds((b,), jnp.int32, sharding=sharded))
+  compiled = jax.jit(lambda *a: paged_decode_attention(*a, backend="pallas")).lower(*args).compile()
+  text = compiled.as_text()
+  assert text.count("custom-call(") == 1 and " gather(" not in text
+  pages = 2 * b * m * kv * h * c * 2  # keys and values of the pages named, bf16
+  assert pages <= compiled.cost_analysis()["bytes accessed"] <= 1.1 * pages
+  xla = jax.jit(paged_decode_attention_xla).lower(*args).compile()
+  assert xla.cost_analysis()["bytes accessed"] > 5 * pages
+
+
+@pytest.mark.parametrize("start,length", [(0, 1000), (130, 700), (5, 77), (512, 513), (200, 200), (0, 0), (0, 1024)])
+def test_each_page_operand_names_its_live_pages_once_and_no_other(start, length):
+  # 8 pages of 128 slots, 3 pages a grid step (3 steps, the last one short): operand j reads logical pages j, j + 3,
+  # ...; a page it names at consecutive steps is fetched once. The operands together read exactly the live pages,
+  # but an operand none of whose pages is live still names (and fetches) one page.
+  c, per_step, m = 128, 3, 8
+  first, end = start // c, -(-length // c) if length > start else start // c
+  live = set(range(first, end))
+  read = set()
+  for j in range(per_step):
+    pages = [int(_live_page(j, i, jnp.int32(start), jnp.int32(length), c, per_step, m)) for i in range(3)]
+    assert pages == sorted(pages) and all(0 <= p < m for p in pages)
+    mine = {p for p in range(first, end) if p % per_step == j}
+    assert set(pages) == mine or (not mine and len(set(pages)) == 1)
+    read |= set(pages) & mine
+  assert read == live

@@ -14,8 +14,10 @@ output. `paged_decode_attention_reference` is this definition in plain jnp (for 
 `paged_decode_attention`, both tested against it, are
   xla: `paged_decode_attention_xla`, the table's M pages of each sequence gathered into the dense layout and
     `decode_attention_xla` over it (callers pass a table cut to the live pages);
-  pallas: `paged_decode_attention_pallas`, a kernel that reads only the pages holding the span, in place in the pool,
-    written for Triton (GPU; interpret mode on CPU). It has no TPU (Mosaic) form yet: TPU uses xla.
+  pallas: a kernel that reads only the pages holding the span, in place in the pool: on GPU
+    `paged_decode_attention_pallas`, written for Triton (interpret mode on CPU); on TPU
+    `tpu_decode_attention.paged_decode_attention_mosaic`, its Mosaic form (JAX's TPU paged kernels want another pool
+    layout and no starts: that module says why it does not use them).
 """
 import functools
 
@@ -24,8 +26,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
 
 from jaxrl_batch.kernels import online_softmax
 from jaxrl_batch.kernels.decode_attention import (
@@ -34,6 +34,7 @@ from jaxrl_batch.kernels.decode_attention import (
   decode_attention_reference,
   decode_attention_xla,
 )
+from jaxrl_batch.kernels.tpu_decode_attention import paged_decode_attention_mosaic
 
 
 def _check_shapes(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, table_BxM):
@@ -141,19 +142,10 @@ def paged_decode_attention_pallas(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, tab
   return out_BxKxRxH[:, :, :g].reshape(b, n, h)
 
 
-# The "pallas" backend's TPU branch: traced on every platform (as all `lax.platform_dependent` branches are), it
-# lowers only for TPU, where its lowering raises. out = q, batched like q.
-_no_tpu_form_p = Primitive("paged_decode_attention_pallas_on_tpu")
-_no_tpu_form_p.def_abstract_eval(lambda q_aval: q_aval)
-batching.primitive_batchers[_no_tpu_form_p] = lambda args, dims: (_no_tpu_form_p.bind(*args), dims[0])
-
-
-def _refuse_tpu_lowering(ctx, q):
-  raise ValueError('paged_decode_attention(backend="pallas") cannot lower for TPU: its kernel is written for Triton '
-                   '(GPU) and has no TPU (Mosaic) form yet. Use backend "xla" on TPU (what "auto" picks there).')
-
-
-mlir.register_lowering(_no_tpu_form_p, _refuse_tpu_lowering)
+def _paged_decode_attention_mosaic(*args):
+  """`paged_decode_attention_mosaic` after the shape checks its siblings make."""
+  _check_shapes(*args[:4])
+  return paged_decode_attention_mosaic(*args)
 
 
 def paged_decode_attention(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, table_BxM, lengths_B, starts_B=None, *,
@@ -162,14 +154,14 @@ def paged_decode_attention(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, table_BxM,
   kernel. Returns out_BxNxH.
 
   The pallas form follows the platform lowered for (`lax.platform_dependent`), not the machine tracing: interpret
-  mode for CPU, Triton for GPU (so an export for "cuda" from a CPU machine holds the Triton kernel); lowering it for
-  TPU raises a ValueError. Export it for one platform at a time: in a multi-platform export jax lowers every kept
-  branch for every platform listed, and the Triton kernel does not lower for CPU."""
+  mode for CPU, Triton for GPU (so an export for "cuda" from a CPU machine holds the Triton kernel), Mosaic for TPU
+  (in a `shard_map` under a mesh). Export it for one platform at a time: in a multi-platform export jax lowers every
+  kept branch for every platform listed, and the Triton kernel does not lower for CPU."""
   args = (q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, table_BxM, lengths_B, starts_B)
   if backend == "xla":
     return paged_decode_attention_xla(*args)
   if backend == "pallas":
     return lax.platform_dependent(*args, cpu=functools.partial(paged_decode_attention_pallas, interpret=True),
-                                  tpu=lambda q_BxNxH, *_: _no_tpu_form_p.bind(q_BxNxH),
+                                  tpu=_paged_decode_attention_mosaic,
                                   default=paged_decode_attention_pallas)
   raise ValueError(f"unknown paged decode attention backend {backend!r}; choose one of {BACKENDS}")

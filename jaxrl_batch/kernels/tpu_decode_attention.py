@@ -114,8 +114,9 @@ def _update(q_ref, k_HxC, v_CxH, max_ref, total_ref, acc_ref, first_slot, start,
 
 
 def _visit(q_ref, k_HxC_fn, v_CxH_fn, scratch, first_slot, c: int, start, length):
-  """`_update` with the block of C slots at first_slot if it holds a slot of the (non-empty) span: masked where it holds the start or
-  the length (or runs past them), else unmasked. k_HxC_fn, v_CxH_fn read the block (only inside the branch)."""
+  """`_update` with the block of C slots at first_slot if it holds a slot of the (non-empty) span: masked where it
+  holds the start or the length (or runs past them), else unmasked. k_HxC_fn, v_CxH_fn read the block (only inside
+  the branch)."""
   live = (first_slot < length) & (first_slot + c > start) & (start < length)
   edge = (first_slot < start) | (first_slot + c > length)
   for masked, taken in ((True, live & edge), (False, live & ~edge)):
@@ -215,6 +216,65 @@ def decode_attention_mosaic(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B=N
     raise ValueError(f"block_s must be a multiple of {_LANES} below S = {s}, got {block_s}")
   local = functools.partial(_slot_local, block_s=min(block_s, s), interpret=interpret)
   return on_mesh(local, q_BxNxH, (k_BxKxHxS, v_BxKxSxH), lengths_B, starts_B)
+
+
+def _live_page(j: int, i, start, length, c: int, block_pages: int, m: int):
+  """The logical page operand j of the paged kernel reads at grid step i: page i * block_pages + j, clamped to the
+  live pages [start // C, cdiv(length, C)) that are j modulo block_pages (the first such step's page when there are
+  none), so that the operand names each of its live pages at consecutive steps and no other page."""
+  first_page = lax.div(start, c)
+  last_page = jnp.maximum(lax.div(length + c - 1, c) - 1, first_page)
+  lo = lax.div(jnp.maximum(first_page - j, 0) + block_pages - 1, block_pages)
+  hi = jnp.where(last_page >= j, lax.div(last_page - j, block_pages), -1)
+  return jnp.minimum(jnp.clip(i, lo, jnp.maximum(hi, lo)) * block_pages + j, m - 1)
+
+
+def _paged_kernel(starts_ref, lengths_ref, table_ref, kv_first_ref, q_ref, *refs, page: int, block_pages: int):
+  """Grid step (b, k, i): logical pages i * block_pages + j (j < block_pages) of sequence b's kv head k, one per
+  operand pair (k_refs[j]: (H, C), v_refs[j]: (C, H)). q_ref, o_ref: (R, H)."""
+  k_refs, v_refs, (o_ref, *scratch) = refs[:block_pages], refs[block_pages:2 * block_pages], refs[2 * block_pages:]
+  b, i = pl.program_id(0), pl.program_id(2)
+  start, length = starts_ref[b], lengths_ref[b]
+  pl.when(i == 0)(lambda: _init(*scratch))
+  for j, (k_ref, v_ref) in enumerate(zip(k_refs, v_refs)):
+    _visit(q_ref, lambda k_ref=k_ref: k_ref[...], lambda v_ref=v_ref: v_ref[...], scratch,
+           (i * block_pages + j) * page, page, start, length)
+  pl.when(i == pl.num_programs(2) - 1)(lambda: _finish(o_ref, *scratch[1:]))
+
+
+def _paged_local(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, table_BxM, lengths_B, starts_B, kv_first, *,
+                 kv_heads: int, block_pages: int, interpret: bool):
+  """The paged kernel for q's heads, which attend the kv_heads kv heads from kv_first (an int32 (1,) array)."""
+  _, _, h, c = k_pages_PxKxHxC.shape
+  m = table_BxM.shape[1]
+  starts_B, lengths_B = _span(lengths_B, starts_B, m * c)
+
+  def page_of(j, bi, ki, i, starts, lengths, table, first):
+    """(pool page, kv head) operand pair j reads at grid step (bi, ki, i)."""
+    return table[bi * m + _live_page(j, i, starts[bi], lengths[bi], c, block_pages, m)], first[0] + ki
+
+  k_specs = [pl.BlockSpec((None, None, h, c), lambda *ids, j=j: (*page_of(j, *ids), 0, 0)) for j in range(block_pages)]
+  v_specs = [pl.BlockSpec((None, None, c, h), lambda *ids, j=j: (*page_of(j, *ids), 0, 0)) for j in range(block_pages)]
+  kernel = functools.partial(_paged_kernel, page=c, block_pages=block_pages)
+  return _call(kernel, q_BxNxH, (k_pages_PxKxHxC,) * block_pages + (v_pages_PxKxCxH,) * block_pages,
+               k_specs + v_specs, (starts_B, lengths_B, table_BxM.reshape(-1).astype(jnp.int32), kv_first),
+               kv_heads=kv_heads, blocks=pl.cdiv(m, block_pages), slots=m * c, interpret=interpret,
+               name="paged_decode_attention_mosaic")
+
+
+@functools.partial(jax.jit, static_argnames=("block_pages", "interpret"))
+def paged_decode_attention_mosaic(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, table_BxM, lengths_B, starts_B=None, *,
+                                  block_pages: int = DEFAULT_BLOCK_PAGES, interpret: bool = False):
+  """Paged decode attention on TPU, same semantics and shapes as `paged_decode_attention_reference` (callers check
+  the shapes); reads only the pages that hold each row's span, in place in the pool (module docstring), `block_pages`
+  pages per grid step (at most M), each page's id read from the scalar-prefetched table. Under a mesh: `on_mesh`,
+  the pool split over `tensor` by kv head like a slot cache, never by rows (rows share pages).
+
+  The page size C is the keys' lane dimension: a multiple of 128 fills the lanes (smaller pages are correct, with
+  padded tiles). `interpret=True` runs the TPU interpreter on CPU."""
+  local = functools.partial(_paged_local, block_pages=max(1, min(block_pages, table_BxM.shape[1])),
+                            interpret=interpret)
+  return on_mesh(local, q_BxNxH, (k_pages_PxKxHxC, v_pages_PxKxCxH), table_BxM, lengths_B, starts_B, pool=True)
 
 
 def on_mesh(local_fn, q_BxNxH, cache, *rows, pool: bool = False):
