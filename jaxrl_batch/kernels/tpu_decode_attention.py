@@ -17,7 +17,10 @@ again: each row's live blocks are DMA'd once, the others never (an empty row fet
 kernel body runs the online softmax (float32 max, total and accumulator in VMEM scratch) only on live blocks, masking
 the slots before the start and from the length on in the blocks holding them (and the unwritten tail of a last block
 when S is not a multiple of the block). The G query heads of a kv group are one (R, H) tile, zero-padded to R rows,
-a multiple of 8 sublanes (16 for 16-bit q). dimension_semantics: rows and kv heads parallel, the span arbitrary.
+a multiple of 8 sublanes (16 for 16-bit q). dimension_semantics: rows and kv heads parallel, the span arbitrary. A
+grid step moves about 1 MiB of keys and values (`default_block_s`, `default_block_pages`), so that the per-step cost
+does not dominate; a row reads its span rounded out to whole steps (the paged kernel: each of a step's page operands
+without a live page still fetches one page per row).
 
 The compiled program's cost analysis cannot see the skipping (it sees the whole cache as an operand): the kernels
 declare a `pl.CostEstimate` of one read of every block the grid names at full span (every row at S), an upper bound
@@ -40,8 +43,23 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_batch.runtime.sharding import BATCH_AXES, dividing_axes
 
 HEAD_AXIS = "tensor"
-DEFAULT_BLOCK_S = 512  # slots per grid step of the slot-cache kernel: k + v of one block = 256 KiB in bf16 at H = 128
-DEFAULT_BLOCK_PAGES = 4  # pages per grid step of the paged kernel (fewer if the table has fewer)
+# A grid step costs ~0.35 us besides its DMAs (Pallas TPU's figure), the time of ~1 MB at v5p's 2.8 TB/s: a step
+# should move about that much cache, k and v together, so that steps are not what the kernel waits on. The price:
+# a row reads its span rounded out to whole steps (a 100-slot row reads 2,048 slots at H = 128 in bf16).
+_STEP_BYTES = 2**20
+_MAX_BLOCK_PAGES = 16  # page operand pairs per step of the paged kernel (each one DMA per page)
+
+
+def default_block_s(h: int, itemsize: int) -> int:
+  """Slots per grid step of the slot-cache kernel: the power of two >= 128 whose keys and values are about
+  _STEP_BYTES (2,048 slots at H = 128 in bf16)."""
+  return max(_LANES, 1 << (_STEP_BYTES // (2 * h * itemsize)).bit_length() - 1)
+
+
+def default_block_pages(c: int, h: int, itemsize: int) -> int:
+  """Pages per grid step of the paged kernel: about _STEP_BYTES of keys and values, 1 to _MAX_BLOCK_PAGES (16 pages
+  of 128 slots at H = 128 in bf16)."""
+  return max(1, min(_MAX_BLOCK_PAGES, _STEP_BYTES // (2 * c * h * itemsize)))
 _LANES = 128
 
 
@@ -200,11 +218,12 @@ def _slot_local(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B, kv_first, *,
 
 @functools.partial(jax.jit, static_argnames=("block_s", "interpret"))
 def decode_attention_mosaic(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B=None, *,
-                            block_s: int = DEFAULT_BLOCK_S, interpret: bool = False):
+                            block_s: int | None = None, interpret: bool = False):
   """Decode attention over the slot cache on TPU, same semantics and shapes as `decode_attention_reference`; reads
   only the blocks of `block_s` slots that hold each row's span (module docstring). Under a mesh: `on_mesh`.
 
-  block_s: a multiple of 128 (the keys' lane dimension); a block_s >= S becomes S (one block). S need not be a
+  block_s: slots per grid step, a multiple of 128 (the keys' lane dimension); None: `default_block_s`; a block_s
+  >= S becomes S (one block). S need not be a
   multiple of block_s: the last block's slots past S are masked. `interpret=True` runs the TPU interpreter on CPU."""
   b, n, h = q_BxNxH.shape
   _, kv, s, _ = v_BxKxSxH.shape
@@ -212,6 +231,7 @@ def decode_attention_mosaic(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B=N
   if v_BxKxSxH.shape != (b, kv, s, h) or k_BxKxHxS.shape != (b, kv, h, s):
     raise ValueError(f"q {q_BxNxH.shape}, k {k_BxKxHxS.shape}, v {v_BxKxSxH.shape} do not match (B,N,H), "
                      "(B,K,H,S), (B,K,S,H)")
+  block_s = default_block_s(h, max(k_BxKxHxS.dtype.itemsize, v_BxKxSxH.dtype.itemsize)) if block_s is None else block_s
   if block_s < s and block_s % _LANES:
     raise ValueError(f"block_s must be a multiple of {_LANES} below S = {s}, got {block_s}")
   local = functools.partial(_slot_local, block_s=min(block_s, s), interpret=interpret)
@@ -264,14 +284,18 @@ def _paged_local(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, table_BxM, lengths_B
 
 @functools.partial(jax.jit, static_argnames=("block_pages", "interpret"))
 def paged_decode_attention_mosaic(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, table_BxM, lengths_B, starts_B=None, *,
-                                  block_pages: int = DEFAULT_BLOCK_PAGES, interpret: bool = False):
+                                  block_pages: int | None = None, interpret: bool = False):
   """Paged decode attention on TPU, same semantics and shapes as `paged_decode_attention_reference` (callers check
   the shapes); reads only the pages that hold each row's span, in place in the pool (module docstring), `block_pages`
-  pages per grid step (at most M), each page's id read from the scalar-prefetched table. Under a mesh: `on_mesh`,
+  pages per grid step (at most M; None: `default_block_pages`), each page's id read from the scalar-prefetched
+  table. Under a mesh: `on_mesh`,
   the pool split over `tensor` by kv head like a slot cache, never by rows (rows share pages).
 
   The page size C is the keys' lane dimension: a multiple of 128 fills the lanes (smaller pages are correct, with
   padded tiles). `interpret=True` runs the TPU interpreter on CPU."""
+  _, _, h, c = k_pages_PxKxHxC.shape
+  if block_pages is None:
+    block_pages = default_block_pages(c, h, max(k_pages_PxKxHxC.dtype.itemsize, v_pages_PxKxCxH.dtype.itemsize))
   local = functools.partial(_paged_local, block_pages=max(1, min(block_pages, table_BxM.shape[1])),
                             interpret=interpret)
   return on_mesh(local, q_BxNxH, (k_pages_PxKxHxC, v_pages_PxKxCxH), table_BxM, lengths_B, starts_B, pool=True)
