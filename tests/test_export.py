@@ -1,7 +1,7 @@
 """Lowering for TPU and GPU from this CPU machine (`jax.export`, nothing run): a cached decode step, the static
 engine, the continuous engine's chunk and re-prefill, and an RL update lower for both with the decode backend "auto"
-picks there; the pallas decode becomes the Triton kernel for cuda, interpreted loops only for cpu, and refuses TPU by
-name."""
+picks there; the pallas decode becomes the Triton kernel for cuda, the Mosaic kernel for TPU, interpreted loops only
+for cpu."""
 import jax
 import jax.numpy as jnp
 import optax
@@ -60,16 +60,14 @@ def _decode_step(model, platform: str, backend: str) -> str:
 
 
 def test_auto_backend_per_platform():
-  assert [backend_for(p) for p in ("cpu", "tpu", "gpu", "cuda", "rocm")] == ["xla", "xla", "pallas", "pallas", "pallas"]
+  assert [backend_for(p) for p in ("cpu", "tpu", "gpu", "cuda", "rocm")] == ["xla", "pallas", "pallas", "pallas",
+                                                                             "pallas"]
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_a_cached_decode_step_lowers_with_the_auto_backend(model, platform):
   text = _decode_step(model, platform, backend_for(platform))
-  if platform == "cuda":
-    assert TRITON in text and WHILE not in text
-  else:
-    assert TRITON not in text and MOSAIC not in text
+  assert (TRITON in text, MOSAIC in text) == (platform == "cuda", platform == "tpu") and WHILE not in text
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
@@ -80,9 +78,9 @@ def test_the_pallas_form_follows_the_platform_lowered_for(model, platform):
   assert (WHILE in text) == (platform == "cpu")
 
 
-def test_the_pallas_backend_refuses_tpu_by_name(model):
-  with pytest.raises(ValueError, match='no TPU .Mosaic. form.*backend "xla" on TPU'):
-    _decode_step(model, "tpu", "pallas")
+def test_the_pallas_backend_lowers_to_one_mosaic_kernel_per_layer_for_tpu(model):
+  text = _decode_step(model, "tpu", "pallas")
+  assert text.count(MOSAIC) == CFG.num_layers and TRITON not in text and WHILE not in text
 
 
 @pytest.mark.parametrize("platform,backend", [("tpu", "xla"), ("cuda", "xla"), ("cuda", "pallas")])
