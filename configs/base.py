@@ -102,7 +102,7 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
       temperature=1.0,  # Rollout temperature (the trainer scores log-probs at the same temperature).
       top_k=0,  # 0 = off.
       top_p=1.0,  # 1.0 = off.
-      attention_backend="auto",  # Decode attention: auto (pallas on GPU, else xla; TPU: xla) | xla | pallas.
+      attention_backend="auto",  # Decode attention: auto (pallas on GPU and TPU, else xla) | xla | pallas.
       engine="static",  # static (one block, run to its longest response) | continuous (slots refilled as rows end).
       slots=0,  # Sequences decoding at once per device (0 = the whole batch); static decodes blocks of this many.
       chunk=16,  # Continuous engine: decode steps between two host syncs (one small transfer each way).

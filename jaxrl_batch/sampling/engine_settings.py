@@ -31,8 +31,8 @@ class EngineSettings:
       preempted and re-prefilled later (`EngineStats.preempted`).
     attention_backend: the `kernels.decode_attention` backend of a decode step: "xla" (every slot of a cache
       grown in power-of-two buckets, masked to the live span), "pallas" (the kernel, reading only the live span of
-      the full cache; interpret mode on CPU, for tests only; no TPU form yet) or "auto" (pallas on GPU, else xla;
-      TPU uses xla until a Mosaic form of the kernel exists).
+      the full cache: Triton on GPU, Mosaic on TPU; interpret mode on CPU, for tests only) or "auto" (pallas on
+      GPU and TPU, else xla).
   """
 
   engine: str = "static"
