@@ -138,3 +138,10 @@ def test_the_collector_keeps_caches_across_updates_and_a_restore_re_prefills_onc
     assert restored_stats.policy_lag_mean == kept_stats.policy_lag_mean
   finally:
     trainer.checkpointer.close()
+
+
+def test_kept_caches_with_a_paged_cache_are_refused_before_anything_is_written(tmp_path, base_cache):
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match="Set rollout.carry_kv=False"):
+    Trainer(debug_config(base_cache, **PARTIAL, **{"sampling.page_size": 2}), str(workdir), devices=ONE_DEVICE)
+  assert not workdir.exists()

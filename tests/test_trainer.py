@@ -111,7 +111,7 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, base_cache, monkey
 PARTIAL = {"sampling.engine": "continuous", "sampling.slots": 4, "sampling.chunk": 2, "rollout.partial": True}
 # Growable pages of 2 tokens, 3 of them for 4 slots: a debug response of 3+ tokens (answer, EOS) outgrows its first
 # page while the others hold the rest, so some sequences get preempted.
-PAGED_SHORT = {"sampling.page_size": 2, "sampling.pages": 3}
+PAGED_SHORT = {"sampling.page_size": 2, "sampling.pages": 3, "rollout.carry_kv": False}  # paged: re-prefilled
 
 
 def test_partial_rollouts_carried_across_a_kill_resume_to_the_same_result(tmp_path, base_cache, monkeypatch):
@@ -119,7 +119,9 @@ def test_partial_rollouts_carried_across_a_kill_resume_to_the_same_result(tmp_pa
   # and the carried sequences continue under new weights.
   from jaxrl_batch.tasks.arithmetic import ArithmeticTask
   monkeypatch.setattr(ArithmeticTask, "reward", lambda self, completion, problem: len(completion) % 3 / 2)
-  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **PARTIAL))
+  # Re-prefilled carried sequences resume exactly (kept caches are re-prefilled once: tests/test_partial_carry_kv.py).
+  config = lambda: debug_config(base_cache, **PARTIAL, **{"rollout.carry_kv": False})
+  a, b = straight_and_resumed(tmp_path, monkeypatch, config)
   train = [r for r in a if "reward_mean" in r]
   assert [r["samples"] for r in train] == [32 * s for s in range(1, 7)]  # B rollouts trained per step
   assert train[1]["carried_over"] > 0  # the checkpoint at step 2 holds sequences in flight

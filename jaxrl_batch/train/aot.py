@@ -609,6 +609,8 @@ def _program_reprefill(step: _Step):
   args = (step.models.graphdef, step.state["params"], inputs["state"], inputs["outputs"], inputs["prefix"],
           inputs["requests"], inputs["slots_S"], inputs["own_SxM"])
   shape = f"{_engine_shape(step, inputs)}; {fed} tokens re-fed per slot"
+  if call.carried and not short and exp.config.rollout.carry_kv:  # Carried sequences keep their caches.
+    shape += "; rollout.carry_kv: runs on resume only"
   return continuous._resume, args, dict(fed=fed), _rollout_resident(step), shape
 
 
