@@ -4,6 +4,10 @@ multiple of 8, bf16 and f32; under a CPU mesh, where a shard reads one kv head o
 for libtpu's compile-only v5p devices: one Mosaic kernel per call reading the cache in place, with a cost of one
 read of the cache blocks it names.
 """
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +21,7 @@ from jaxrl_batch.kernels.decode_attention import backend_for
 from jaxrl_batch.kernels.tpu_decode_attention import (_live_block, _live_page, decode_attention_mosaic,
                                                      paged_decode_attention_mosaic)
 from jaxrl_batch.runtime import sharding
+from tests.helpers import ROOT
 
 MOSAIC = "tpu_custom_call"
 
@@ -244,3 +249,20 @@ def test_each_page_operand_names_its_live_pages_once_and_no_other(start, length)
     assert set(pages) == mine or (not mine and len(set(pages)) == 1)
     read |= set(pages) & mine
   assert read == live
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("v5p")
+def test_benchmark_tables_both_backends_per_concurrency(tmp_path):
+  cmd = [sys.executable, "-m", "launch.bench_decode_attention", "--concurrency=2", "--slots=256", "--tensor=2",
+         f"--out={tmp_path}/bench.json"]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "xla/pallas" in done.stdout
+  with open(tmp_path / "bench.json") as f:
+    out = json.load(f)
+  assert (out["device_kind"], out["tensor"]) == ("TPU v5", 2)
+  assert [(r["cache"], r["concurrency"]) for r in out["rows"]] == [("slot", 2), ("paged", 2)]
+  for row in out["rows"]:  # tensor = 2 splits the 2 kv heads: a chip must read one kv head of 2 rows of 256 slots.
+    assert row["roofline_bytes"] == 2 * 2 * 256 * 128 * 2
+    assert row["roofline_bytes"] <= row["pallas"]["bytes_accessed"] < row["xla"]["bytes_accessed"]
