@@ -75,6 +75,7 @@ def test_one_block_without_starts_and_a_bf16_cache_under_f32_queries():
   np.testing.assert_allclose(got, decode_attention_reference(q, k, v, lengths), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_on_a_mesh_each_shard_reads_its_kv_head():
   # tensor = 4 over 12 query heads and 2 kv heads (qwen2.5-1.5b): the cache is replicated over `tensor` and each
   # shard's 3 query heads read kv head shard // 2 alone; rows over data = 2.
@@ -202,6 +203,7 @@ def test_paged_kernel_matches_reference_in_the_tpu_interpreter(n, kv, dtype, ato
                              np.asarray(want, np.float32), atol=atol)
 
 
+@pytest.mark.slow
 def test_paged_kernel_on_a_mesh_without_starts():
   # tensor = 2 splits the pool's 2 kv heads; rows over data = 4; the pool is not split by rows (rows share pages).
   mesh = sharding.make_mesh(data=4, fsdp=1, tensor=2, devices=jax.devices()[:8])
