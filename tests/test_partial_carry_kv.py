@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_batch.config import migrate
 from jaxrl_batch.sampling import EngineSettings, Strategy, continuous, generate_continuous
 from jaxrl_batch.train.trainer import Trainer
 from tests.helpers import ONE_DEVICE, assert_same_rollout, debug_config, one_device_model, tiny_config
@@ -145,3 +146,11 @@ def test_kept_caches_with_a_paged_cache_are_refused_before_anything_is_written(t
   with pytest.raises(ValueError, match="Set rollout.carry_kv=False"):
     Trainer(debug_config(base_cache, **PARTIAL, **{"sampling.page_size": 2}), str(workdir), devices=ONE_DEVICE)
   assert not workdir.exists()
+
+
+def test_a_config_json_from_before_carry_kv_reads_what_its_run_did():
+  # Partial rollouts re-prefilled their carried sequences; without them the field does nothing: the default, so
+  # such runs resume under the recipe's config.
+  assert migrate.complete({"rollout": {"partial": True}})["rollout"]["carry_kv"] is False
+  assert migrate.complete({"rollout": {"partial": False}})["rollout"]["carry_kv"] is True
+  assert migrate.complete({})["rollout"]["carry_kv"] is True

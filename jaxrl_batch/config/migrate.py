@@ -1,6 +1,7 @@
 """Old config.json files brought up to date, in one place: the fields added to the recipe after runs were written.
 
-Each entry of `ADDED` is a dotted field and the value that does what a run written before the field existed did.
+Each entry of `ADDED` is a dotted field and the value that does what a run written before the field existed did (or
+a function of the saved config giving it, where that depends on the run's other fields).
 It is history, not a default (configs/base.py holds the defaults of new runs): an entry never changes once written,
 and a field added to the recipe gets one. `complete` fills the missing fields into a saved config when config.json
 is read (`train.rundir.read_config`: resume, branch, analysis), so that the library reads every field directly. Keys
@@ -9,6 +10,13 @@ same for fields added to the `task` group of some tasks only.
 """
 import copy
 import logging
+
+def _carry_kv(config: dict) -> bool:
+  """rollout.carry_kv of a run written before it: partial rollouts re-prefilled their carried sequences (False); a run
+  without them carried nothing, so the field did nothing there and takes the recipe's default (True), so that the
+  run resumes under the config it is given."""
+  return not config["rollout"].get("partial", False)
+
 
 ADDED = {
     "family_axis": "prompts",  # Families scaled prompts per step at a fixed group size.
@@ -24,7 +32,7 @@ ADDED = {
     "log_samples_count": 0,
     "log_samples_max_chars": 0,
     "rollout": dict(partial=False, partial_budget=0, max_lookahead=1),  # Every step's rollouts run to their end.
-    "rollout.carry_kv": False,  # Carried partial rollouts were re-prefilled under the new weights every step.
+    "rollout.carry_kv": _carry_kv,  # Carried partial rollouts were re-prefilled under the new weights every step.
     "rollout_mesh": dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1, process_cores=""),  # Colocated generation.
     "rollout_mesh.process_cores": "",  # Generation in the learner's process.
     "rl.max_staleness": 0,  # Synchronous.
@@ -50,8 +58,8 @@ def complete(config: dict, source: str = "config.json") -> dict:
     for group in groups:  # A group missing too is created (analysis reads configs that hold a few fields).
       node = node.setdefault(group, {}) if isinstance(node, dict) else None
     if isinstance(node, dict) and key not in node:
-      node[key] = copy.deepcopy(value)
-      filled.append(f"{name}={value!r}")
+      node[key] = value(out) if callable(value) else copy.deepcopy(value)
+      filled.append(f"{name}={node[key]!r}")
   task = out.get("task")
   for key, (names, value) in ADDED_TASK.items():
     if isinstance(task, dict) and task.get("name") in names and key not in task:
