@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_batch.runtime.sharding import BATCH_AXES, dividing_axes
 
 HEAD_AXIS = "tensor"
+_LANES = 128  # a vector register's minor dimension: key blocks span a multiple of it
 # A grid step costs ~0.35 us besides its DMAs (Pallas TPU's figure), the time of ~1 MB at v5p's 2.8 TB/s: a step
 # should move about that much cache, k and v together, so that steps are not what the kernel waits on. The price:
 # a row reads its span rounded out to whole steps (a 100-slot row reads 2,048 slots at H = 128 in bf16).
@@ -60,7 +61,6 @@ def default_block_pages(c: int, h: int, itemsize: int) -> int:
   """Pages per grid step of the paged kernel: about _STEP_BYTES of keys and values, 1 to _MAX_BLOCK_PAGES (16 pages
   of 128 slots at H = 128 in bf16)."""
   return max(1, min(_MAX_BLOCK_PAGES, _STEP_BYTES // (2 * c * h * itemsize)))
-_LANES = 128
 
 
 def _query_rows(g: int, dtype) -> int:
@@ -97,6 +97,7 @@ def _live_block(i, start, length, block: int):
 
 
 def _init(max_ref, total_ref, acc_ref):
+  """The online softmax's state before any block: max -inf, total and accumulator 0."""
   max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
   total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
   acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
@@ -288,11 +289,12 @@ def paged_decode_attention_mosaic(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, tab
   """Paged decode attention on TPU, same semantics and shapes as `paged_decode_attention_reference` (callers check
   the shapes); reads only the pages that hold each row's span, in place in the pool (module docstring), `block_pages`
   pages per grid step (at most M; None: `default_block_pages`), each page's id read from the scalar-prefetched
-  table. Under a mesh: `on_mesh`,
-  the pool split over `tensor` by kv head like a slot cache, never by rows (rows share pages).
+  table. Under a mesh: `on_mesh`, the pool split over `tensor` by kv head like a slot cache, never by rows (rows
+  share pages).
 
-  The page size C is the keys' lane dimension: a multiple of 128 fills the lanes (smaller pages are correct, with
-  padded tiles). `interpret=True` runs the TPU interpreter on CPU."""
+  The page size C is the keys' lane dimension: a multiple of 128 fills the lanes (smaller pages are correct, but
+  their tiles are padded and the compiled program copies the pool: 16-slot pages read 7x the bytes of 128-slot ones,
+  docs/results/2026-12-06-tpu-decode-attention.md). `interpret=True` runs the TPU interpreter on CPU."""
   _, _, h, c = k_pages_PxKxHxC.shape
   if block_pages is None:
     block_pages = default_block_pages(c, h, max(k_pages_PxKxHxC.dtype.itemsize, v_pages_PxKxCxH.dtype.itemsize))
