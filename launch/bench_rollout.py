@@ -33,8 +33,9 @@ Writes --out (JSON, rewritten after each point, so a sweep cut short still repor
 (`os.getloadavg()` at the start and end), the rates measured before the sweep (`machine`), and per point one record
 per engine (`benchmark.sweep`), the continuous engine's with decode_speedup_vs_static; with --partial_budget one
 "partial" record more (`sampling.steady_state`), and with --carry_kv a "partial_carry_kv" one (carried sequences keep
-their KV cache; both with decode_tok_s_vs_continuous when the continuous engine ran). With --num_experts (a mixture-of-experts model) the records also
-give the distinct experts a decode step reads per MoE layer, expected under uniform routing and measured.
+their KV cache; both with decode_tok_s_vs_continuous when the continuous engine ran). With --num_experts (a
+mixture-of-experts model) the records also give the distinct experts a decode step reads per MoE layer, expected
+under uniform routing and measured.
 """
 import dataclasses
 import json

@@ -178,8 +178,8 @@ def test_length_distributions():
 @pytest.mark.parametrize("change", [{"rollouts": 8}, {"slots": (2,)}, {"engine": ("slots",)},
                                     {"engine": ("static", "static")}, {"length_dist": "lognormal:5"},
                                     {"length_dist": "fixed:1"}, {"rollouts": 6, "slots": (4,)},
-                                    {"length_dist": "fixed:4", "compare_hf": True}, {"partial_budget": 4}, {"carry_kv": True},
-                                    {"engine": ("paged",), "page_size": 0}])
+                                    {"length_dist": "fixed:4", "compare_hf": True}, {"partial_budget": 4},
+                                    {"engine": ("paged",), "page_size": 0}, {"carry_kv": True}])
 def test_settings_refused(change):
   with pytest.raises(ValueError):
     next(sweep(dataclasses.replace(TINY, **change)))

@@ -92,8 +92,9 @@ class EngineStats:
   """Host figures of one rollout: `chunks` run (host syncs: one upload and one download each), `slot_steps`
   (slots x decode steps run, live or not), `decoded` (tokens chosen by decode steps: every token but each
   request's first, which comes from the prefill), `reprefill_s`, the seconds spent re-prefilling carried-over or
-  preempted sequences (0 without them), `reprefilled` (how many; kept slots are not), and with a paged cache `preempted` (sequences evicted when the pool ran
-  short, re-prefilled later) and `pages_peak` (the most growable pages held at once)."""
+  preempted sequences (0 without them), `reprefilled` (how many; kept slots are not), and with a paged cache
+  `preempted` (sequences evicted when the pool ran short, re-prefilled later) and `pages_peak` (the most growable
+  pages held at once)."""
   chunks: int
   slot_steps: int
   decoded: int

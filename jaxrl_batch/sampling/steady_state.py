@@ -3,9 +3,10 @@
 The R requests form a stream. Each emulated RL step decodes `partial_budget` decode steps on the slots with the
 continuous engine; sequences that ended are "trained on", the ones still in flight are carried over, re-prefilled
 at the next step (as the trainer does under new weights, here the same ones) or, with `carry_kv`, kept in their
-slots with their KV cache (`continuous.KeptSlots`), and continued; free slots take the next requests of the stream. A step is in steady state when it is not the first (which starts from empty slots,
-with nothing carried in) and the stream still has requests at its end: its slots never drain. The figures are
-summed over those steps (the last steps, once the stream runs dry, drain like the static engine's tail).
+slots with their KV cache (`continuous.KeptSlots`), and continued; free slots take the next requests of the stream.
+A step is in steady state when it is not the first (which starts from empty slots, with nothing carried in) and
+the stream still has requests at its end: its slots never drain. The figures are summed over those steps (the last
+steps, once the stream runs dry, drain like the static engine's tail).
 """
 import dataclasses
 import time
