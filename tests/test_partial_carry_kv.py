@@ -1,5 +1,6 @@
 """Partial rollouts that keep their KV cache across calls (`rollout.carry_kv`, `continuous.KeptSlots`): with the same
-weights a stopped and continued decode gives the uninterrupted call's tokens without re-prefilling anything; with new
+weights a stopped and continued decode gives the uninterrupted call's tokens without re-prefilling anything (on one
+device and split over 8); with new
 weights the kept sequences go on from the cache the old weights wrote; the trainer records every token's policy and
 resumes a run by re-prefilling once."""
 import dataclasses
@@ -9,8 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_batch.config import migrate
+from jaxrl_batch.model import Transformer
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import EngineSettings, Strategy, continuous, generate_continuous
 from jaxrl_batch.train.trainer import Trainer
 from tests.helpers import ONE_DEVICE, assert_same_rollout, debug_config, one_device_model, tiny_config
@@ -79,6 +83,34 @@ def test_kept_slots_with_the_same_weights_give_the_uninterrupted_tokens_without_
   assert (first.kept.slot_R >= 0).sum() == (first.held_R > 0).sum()  # every sequence in flight named with its slot
   assert second.stats.reprefilled == 0 and second.stats.reprefill_s == 0.0
   assert_same_rollout(continuous.to_rollout(_merged(first, second), pad_id=PAD), expected, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_kept_slots_split_over_a_mesh_of_8_devices_continue_as_if_never_stopped():
+  mesh = sharding.make_mesh(8, 1, 1)
+  graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(3)), mesh, sharding.DEFAULT_RULES)
+  rows = lambda ndim: sharding.batch_sharding(mesh, ndim)
+  prompt, valid, budget = _requests(prompts=8)
+  sampling, key, chunks = Strategy(temperature=1.0), jax.random.key(0), []
+  common = dict(eos_id=EOS, sampling=sampling, engine=ENGINE, slots=8, row_sharding=rows)
+  with jax.set_mesh(mesh):
+    expected, _ = generate_continuous(graphdef, params, jax.device_put(prompt, rows(2)), jax.device_put(valid, rows(2)),
+                                      key, max_new_tokens=N, pad_id=PAD, group_size=2, budget_B=budget, **common)
+    requests = continuous.new_requests(16, group_size=2, max_new_tokens=N, pad_id=PAD, budget_B=budget,
+                                       row_sharding=rows)
+    first = continuous.decode(graphdef, params, prompt[::2], valid[::2], requests, np.zeros(16), range(16), key,
+                              stop=lambda ended, steps: chunks.append(steps) or len(chunks) == 2, **common)
+    held, out = first.held_R, first.outputs
+    carried = requests._replace(tokens_RxN=out.tokens_RxN, logprobs_RxN=out.logprobs_RxN,
+                                lengths_R=jax.device_put(jnp.asarray(held, jnp.int32), rows(1)))
+    rest = [i for i in range(16) if not first.ended_R[i]]
+    second = continuous.decode(graphdef, params, prompt[::2], valid[::2], carried, held, rest, key, kept=first.kept,
+                               **common)
+  assert (held > 0).sum() > 0 and second.stats.reprefilled == 0
+  assert not second.outputs.tokens_RxN.sharding.is_fully_replicated
+  merged = jax.tree.map(lambda a, b: jnp.where(jnp.asarray(first.ended_R).reshape((16,) + (1,) * (a.ndim - 1)), a, b),
+                        out, second.outputs)
+  assert_same_rollout(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
 
 
 @pytest.mark.slow
