@@ -1,8 +1,7 @@
 """Partial rollouts that keep their KV cache across calls (`rollout.carry_kv`, `continuous.KeptSlots`): with the same
 weights a stopped and continued decode gives the uninterrupted call's tokens without re-prefilling anything (on one
-device and split over 8); with new
-weights the kept sequences go on from the cache the old weights wrote; the trainer records every token's policy and
-resumes a run by re-prefilling once."""
+device and split over 8); with new weights the kept sequences go on from the cache the old weights wrote; the
+collector records every token's policy, and a restore re-prefills once; old configs and paged caches."""
 import dataclasses
 import json
 
