@@ -1,11 +1,50 @@
 """The key/value cache: a small value type holding every layer's keys and values."""
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_batch.kernels.decode_attention import decode_attention
 from jaxrl_batch.model.config import ModelConfig
+from jaxrl_batch.runtime import sharding
+
+
+def cache_heads(cfg: ModelConfig) -> int:
+  """The kv heads a cache holds under the ambient mesh: K, or K x r when a tensor axis of T chips is not a multiple
+  of K (r = T / gcd(K, T), each kv head repeated r times, head j a copy of kv head j // r), so that the heads split
+  evenly over `tensor` and each chip holds only the heads its query heads read. Replicated instead, every chip held
+  and read all K heads (2 kv heads on 4 chips: twice the bytes per chip) and each decode chunk ended in an
+  all-gather of the whole cache (measured with the TPU compiler, docs/results/2026-12-06-decode-roofline.md).
+  Attention is unchanged: query head n reads head n // (N / (K r)), a copy of kv head n // (N / K). K where K x r
+  would not divide the N query heads."""
+  mesh = jax.sharding.get_abstract_mesh()
+  tensor = 1 if mesh.empty else mesh.shape.get("tensor", 1)
+  repeats = tensor // math.gcd(cfg.num_kv_heads, tensor)
+  return cfg.num_kv_heads * repeats if cfg.num_heads % (cfg.num_kv_heads * repeats) == 0 else cfg.num_kv_heads
+
+
+def layer_sharding(rows: NamedSharding, heads: int) -> NamedSharding:
+  """A cache layer's layout: its rows as `rows` lays out a batch's, its `heads` over `tensor` where they split
+  evenly (`cache_heads`; 0 = not known: whole), the rest whole."""
+  tensor = rows.mesh.shape.get("tensor", 1)
+  split = "tensor" if tensor > 1 and heads and heads % tensor == 0 else None
+  return NamedSharding(rows.mesh, P(rows.spec[0] if rows.spec else None, split, None, None))
+
+
+def _laid_out(x_BxKx_x_):
+  """A cache layer with its rows over the batch axes of the ambient mesh that divide them and its heads over `tensor`
+  where they split evenly (as `layer_sharding`), so that the layout persists through the decode loops and the
+  engine's programs; a dimension that does not split is left to the partitioner. A no-op without a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x_BxKx_x_
+  rows = sharding.dividing_axes(mesh, sharding.BATCH_AXES, x_BxKx_x_.shape[0]) or P.UNCONSTRAINED
+  tensor = mesh.shape.get("tensor", 1)
+  split = "tensor" if tensor > 1 and x_BxKx_x_.shape[1] % tensor == 0 else P.UNCONSTRAINED
+  return jax.lax.with_sharding_constraint(x_BxKx_x_, P(rows, split, None, None))
 
 
 class KVCache(NamedTuple):
@@ -25,9 +64,10 @@ class KVCache(NamedTuple):
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
-    b, kv, h, dtype = batch, cfg.num_kv_heads, cfg.head_dim, dtype or cfg.compute_dtype
-    return cls(tuple(jnp.zeros((b, kv, h, length), dtype) for _ in range(cfg.num_layers)),
-               tuple(jnp.zeros((b, kv, length, h), dtype) for _ in range(cfg.num_layers)))
+    """An empty cache of `batch` rows x `length` slots with `cache_heads(cfg)` heads, laid out as `_laid_out`."""
+    b, kv, h, dtype = batch, cache_heads(cfg), cfg.head_dim, dtype or cfg.compute_dtype
+    return cls(tuple(_laid_out(jnp.zeros((b, kv, h, length), dtype)) for _ in range(cfg.num_layers)),
+               tuple(_laid_out(jnp.zeros((b, kv, length, h), dtype)) for _ in range(cfg.num_layers)))
 
   @staticmethod
   def bytes_for(cfg: ModelConfig, batch: int, length: int, dtype=None) -> int:
@@ -69,24 +109,32 @@ class KVCache(NamedTuple):
 
   def write(self, layer: int, index, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> "KVCache":
     """Writes T new keys/values of one layer at slots index..index+T-1 (in place under jit). `index` is an int
-    scalar, or for T == 1 an int array (B,) of each row's own slot (the continuous engine's slots)."""
+    scalar, or for T == 1 an int array (B,) of each row's own slot (the continuous engine's slots). The model's K
+    heads are repeated to the cache's (`cache_heads`)."""
+    repeats = self.v_layers[layer].shape[1] // k_BxTxKxH.shape[2]
+    if repeats > 1:
+      k_BxTxKxH, v_BxTxKxH = (jnp.repeat(x, repeats, axis=2) for x in (k_BxTxKxH, v_BxTxKxH))
     if jnp.ndim(index) == 1:
       return self._write_rows(layer, index, k_BxTxKxH, v_BxTxKxH)
 
     def put(layers, new, start):
-      updated = jax.lax.dynamic_update_slice(layers[layer], new.astype(layers[layer].dtype), start)
+      updated = _laid_out(jax.lax.dynamic_update_slice(layers[layer], new.astype(layers[layer].dtype), start))
       return (*layers[:layer], updated, *layers[layer + 1:])
 
     return KVCache(put(self.k_layers, jnp.transpose(k_BxTxKxH, (0, 2, 3, 1)), (0, 0, 0, index)),
                    put(self.v_layers, jnp.swapaxes(v_BxTxKxH, 1, 2), (0, 0, index, 0)))
 
   def _write_rows(self, layer: int, index_B, k_Bx1xKxH: jax.Array, v_Bx1xKxH: jax.Array) -> "KVCache":
-    """One key/value per row b at its slot index_B[b]: a scatter of B x K x H elements per array."""
+    """One key/value per row b at its slot index_B[b] (in [0, S): a slot out of range is clamped into it), written
+    as a per-row `dynamic_update_slice`: the TPU compiler updates only the B x K x H elements in place, where the
+    equivalent `.at[rows, :, :, index].set` of a key column read and wrote the whole layer (4x its bytes, measured
+    with `cost_analysis` on v5p; the value rows cost the same either way)."""
     if k_Bx1xKxH.shape[1] != 1:
       raise ValueError(f"per-row cache slots take one token per row, got {k_Bx1xKxH.shape[1]}.")
-    rows_B = jnp.arange(k_Bx1xKxH.shape[0])
     k, v = self.k_layers[layer], self.v_layers[layer]
-    k = k.at[rows_B, :, :, index_B].set(k_Bx1xKxH[:, 0].astype(k.dtype))
-    v = v.at[rows_B, :, index_B, :].set(v_Bx1xKxH[:, 0].astype(v.dtype))
+    put_key = lambda k_KxHxS, k_KxH, i: jax.lax.dynamic_update_slice(k_KxHxS, k_KxH[:, :, None], (0, 0, i))
+    put_value = lambda v_KxSxH, v_KxH, i: jax.lax.dynamic_update_slice(v_KxSxH, v_KxH[:, None, :], (0, i, 0))
+    k = _laid_out(jax.vmap(put_key)(k, k_Bx1xKxH[:, 0].astype(k.dtype), index_B))
+    v = _laid_out(jax.vmap(put_value)(v, v_Bx1xKxH[:, 0].astype(v.dtype), index_B))
     return KVCache((*self.k_layers[:layer], k, *self.k_layers[layer + 1:]),
                    (*self.v_layers[:layer], v, *self.v_layers[layer + 1:]))

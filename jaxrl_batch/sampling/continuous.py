@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_batch.model import DecodeSpan, KVCache, PagedKVCache, cache_mask, positions_from_valid
+from jaxrl_batch.model.kv_cache import layer_sharding
 from jaxrl_batch.model.moe import stacked_experts
 from jaxrl_batch.runtime import transfer
 from jaxrl_batch.sampling.engine_settings import EngineSettings, resolved_backend
@@ -174,14 +175,15 @@ def _fresh_outputs(prefix: _Prefix, requests: Requests) -> Outputs:
 
 @functools.lru_cache(maxsize=None)
 def _starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0, page_size: int = 0,
-             moe: bool = False):
+             moe: bool = False, heads: int = 0):
   """`_start` jitted for a model of `layers` layers (`moe`: with MoE layers), its outputs' leading axes laid out
-  by `row_sharding` (if given; a paged cache lives on one device and takes none). `train.aot` compiles it for the
-  layout of the chunks' slots and outputs."""
+  by `row_sharding` (if given; a paged cache lives on one device and takes none) and the slot cache's `heads` (the
+  prefix cache's, `model.kv_cache.cache_heads`) over `tensor` where they split (`model.kv_cache.layer_sharding`).
+  `train.aot` compiles it for the layout of the chunks' slots and outputs."""
   start = functools.partial(_start, slots=slots, length=length, pages=pages, page_size=page_size)
   if row_sharding is None or page_size:
     return jax.jit(start)
-  cache = KVCache(*(tuple(row_sharding(4) for _ in range(layers)),) * 2)
+  cache = KVCache(*(tuple(layer_sharding(row_sharding(4), heads) for _ in range(layers)),) * 2)
   state = _Slots(cache, *(row_sharding(1),) * 6)
   return jax.jit(start, out_shardings=(state, _outputs_sharding(row_sharding, moe)))
 
@@ -466,7 +468,9 @@ class _Run:
       self.renamed_S[np.asarray(kept.slot_R)[held]] = held
     else:
       self.pages, self.buckets = None, cache_buckets(self.p, self.n, engine.backend)
-      self.state, self.outputs = _starter(slots, self.buckets[0], layers, row_sharding, moe=moe)(self.prefix, requests)
+      heads = self.prefix.cache.k_layers[0].shape[1]
+      start = _starter(slots, self.buckets[0], layers, row_sharding, moe=moe, heads=heads)
+      self.state, self.outputs = start(self.prefix, requests)
 
   def _laid_out(self, plan: Plan, fed: int):
     """The chunk's own pages, int32 (S, M), with a paged cache; else None, the slot cache sized to the bucket of

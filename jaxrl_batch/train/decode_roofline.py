@@ -1,0 +1,212 @@
+"""One decode step of the continuous engine, compiled for a TPU slice, against its HBM roofline per chip.
+
+Decode is bandwidth-bound: a step of B rows must read, on each chip, the weights it holds and the keys and values of
+the rows it attends. `roofline_bytes` counts exactly that, for the run's mesh:
+  weights  every parameter's shard on the chip, but of an untied embedding table only the B rows gathered, and of a
+           mixture-of-experts layer only the experts its tokens are routed to (uniform routing:
+           `sampling.roofline.expected_distinct_experts` of the chip's experts);
+  cache    rows per chip (B over the batch axes) x the live length x layers x (keys + values) x head width x the
+           kv heads the chip's query heads read: K / tensor when the tensor axis divides K, else one.
+Seconds are bytes over the chip's nominal HBM bandwidth (`runtime.topologies.CHIPS`).
+
+Two readings of the compiled step: the compiler's `bytes accessed` and `optimal_seconds`, which also count the
+copies of operands into on-chip memory (memory space S(1), VMEM) that the TPU compiler makes before a fusion reads
+them (at one row, the weights staged into VMEM count about three times: read, written, read again), and
+`hbm_bytes`, the bytes each instruction of the optimized program reads and writes in HBM (`hbm_bytes`: operands and
+results outside on-chip memory, each counted whole; the body of a loop or branch once).
+
+The program compiled is `step`: what `continuous._chunk` runs per token (the model's cached one-token step over the
+slots' spans, then the token choice), without admission, which the engine runs once per chunk. Its cache and
+params are laid out as the trainer's (`train.aot`'s engine inputs), with every slot live at the cache's length, so
+the compiler's `bytes accessed` and `optimal_seconds` are one step's, comparable with the roofline.
+"""
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from jaxrl_batch.model import DecodeSpan
+from jaxrl_batch.runtime import sharding, topologies
+from jaxrl_batch.sampling.engine_settings import resolved_backend
+from jaxrl_batch.sampling.roofline import expected_distinct_experts
+from jaxrl_batch.sampling.strategies import Strategy, choose
+from jaxrl_batch.train import aot
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "backend"), donate_argnums=(2,))
+def step(graphdef, params, cache, token_S, position_S, start_S, key, *, sampling: Strategy, backend: str):
+  """One decode step of S live slots at the cache's last slot: (cache, token_S, logp_S)."""
+  model = nnx.merge(graphdef, params)
+  slot_S = jnp.full_like(token_S, cache.length - 1)
+  logits_Sx1xV, cache, _ = model.step(token_S[:, None], position_S[:, None], DecodeSpan(start_S, slot_S + 1), cache,
+                                      slot_S, decode_backend=resolved_backend(backend))
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(token_S.shape[0]))
+  token_S, logp_S = choose(logits_Sx1xV[:, 0], keys, sampling)
+  return cache, token_S, logp_S
+
+
+@dataclasses.dataclass
+class Point:
+  """One concurrency: the compiler's figures for one step and the roofline's, per chip."""
+  concurrency: int
+  cache_length: int
+  bytes_accessed: float | None
+  optimal_seconds: float | None
+  flops: float | None
+  weight_bytes: float
+  cache_bytes: float
+  roofline_seconds: float
+  cache_bytes_held: int  # per chip, as the engine lays the cache out
+  hbm_bytes: float | None = None
+  error: str = ""
+
+  @property
+  def ratio(self) -> float | None:
+    """optimal_seconds over the roofline's seconds (1 = at the roofline)."""
+    return None if self.optimal_seconds is None else self.optimal_seconds / self.roofline_seconds
+
+
+def roofline_bytes(step_: aot._Step, rows: int, length: int) -> tuple[float, float]:
+  """(weight bytes, cache bytes) one chip must read for a decode step of `rows` rows at `length` live slots
+  (module docstring)."""
+  exp = step_.exp
+  cfg, mesh = exp.model_cfg, exp.mesh
+  params = step_.state["params"]
+  weights = 0.0
+  tokens = rows
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    name = jax.tree_util.keystr(path)
+    held = math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+    if "embedding" in name and not cfg.tie_embeddings:
+      held *= min(1.0, tokens / leaf.shape[0])
+    elif cfg.num_experts and leaf.ndim == 3 and leaf.shape[0] == cfg.num_experts:
+      held *= expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, tokens) / cfg.num_experts
+    weights += held
+  tensor = mesh.shape.get("tensor", 1)
+  heads = cfg.num_kv_heads // tensor if cfg.num_kv_heads % tensor == 0 else 1
+  rows_per_chip = -(-rows // sharding.data_parallel_size(mesh))
+  cache = 2 * cfg.num_layers * rows_per_chip * length * heads * cfg.head_dim * cfg.compute_dtype.itemsize
+  return weights, float(cache)
+
+
+def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, prompt_len: int,
+            response_len: int) -> tuple[dict, list[Point]]:
+  """Compiles `step` for each concurrency (`sampling.slots` per chip x the data-parallel size) on compile-only
+  `topology` chips and returns (the topology's figures, one `Point` per concurrency)."""
+  topo = topologies.compile_only(topology)
+  points = []
+  for concurrency in concurrencies:
+    with config.unlocked():
+      config.sampling.engine = "continuous"
+      config.sampling.slots = concurrency
+    exp = aot._experiment(config, topo.devices, prompt_len, response_len)  # pylint: disable=protected-access
+    step_ = aot._Step.build(exp)  # pylint: disable=protected-access
+    inputs = aot._engine_inputs(step_, False)  # pylint: disable=protected-access
+    if isinstance(inputs, str):
+      raise ValueError(f"the engine does not run this config: {inputs}")
+    state, call = inputs["state"], inputs["call"]
+    slots = state.token_S.shape[0]
+    length = state.cache.length
+    weights, cache_read = roofline_bytes(step_, slots, length)
+    row = lambda dtype: jax.ShapeDtypeStruct(state.token_S.shape, dtype, sharding=state.token_S.sharding)
+    point = Point(slots, length, None, None, None, weights, cache_read,
+                  (weights + cache_read) / topo.chip.hbm_bytes_per_s,
+                  aot._per_chip_bytes(state.cache))  # pylint: disable=protected-access
+    try:
+      with jax.set_mesh(exp.mesh):
+        compiled = step.lower(step_.models.graphdef, step_.state["params"], state.cache, row(jnp.int32),
+                              row(jnp.int32), row(jnp.int32), inputs["key"], sampling=call.sampling,
+                              backend=call.engine.attention_backend).compile()
+      cost = aot._cost(compiled)  # pylint: disable=protected-access
+      point.bytes_accessed, point.optimal_seconds, point.flops = cost.bytes_accessed, cost.optimal_seconds, cost.flops
+      point.hbm_bytes = hbm_bytes(compiled.as_text())
+    except Exception as e:  # pylint: disable=broad-except  # Reported per concurrency: the others still compile.
+      point.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    points.append(point)
+  chip = dict(topology=topo.name, chip=topo.chip.name, hbm_bytes_per_s=topo.chip.hbm_bytes_per_s,
+              mesh={k: int(v) for k, v in exp.mesh.shape.items()}, model_params=exp.model_cfg.num_params(),
+              attention_backend=resolved_backend_for(exp, call.engine.attention_backend))
+  return chip, points
+
+
+def resolved_backend_for(exp, backend: str) -> str:
+  """`backend` ("auto" too) as the engine resolves it on the experiment's chips."""
+  with jax.set_mesh(exp.mesh):
+    return resolved_backend(backend)
+
+
+_ITEMSIZE = dict(pred=1, s8=1, u8=1, bf16=2, f16=2, s16=2, u16=2, f32=4, s32=4, u32=4, f64=8, s64=8, u64=8)
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\](\{[^}]*\})?")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([\w\-]+)\((.*)")
+_NO_TRAFFIC = ("tuple", "bitcast", "parameter", "constant", "get-tuple-element", "partition-id", "after-all",
+               "copy-done")
+
+
+def _hbm_arrays(text: str) -> list[int]:
+  """Bytes of each array type in `text` that lives in HBM (its layout names no memory space S(n))."""
+  found = []
+  for dtype, dims, layout in _ARRAY.findall(text):
+    if not re.search(r"S\(\d+\)", layout or ""):
+      found.append(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype])
+  return found
+
+
+def hbm_bytes(hlo_text: str) -> float:
+  """Bytes an optimized HLO module's instructions read and write in HBM: per instruction of the entry computation
+  (and, once, of the bodies and branches it calls), its operands and result outside on-chip memory, each counted
+  whole; a copy into on-chip memory (copy-start) counts its source, an in-place dynamic-update-slice its update. An
+  estimate that over-counts a fusion reading part of an operand."""
+  blocks = {}
+  for block in re.split(r"\n(?=%|ENTRY )", hlo_text):
+    head, _, body = block.partition("\n")
+    blocks["ENTRY" if head.startswith("ENTRY") else head.split(" ")[0]] = body.split("\n")
+
+  def total(name: str) -> float:
+    sizes, count = {}, 0.0
+    for line in blocks.get(name, ()):
+      found = _INSTRUCTION.match(line)
+      if not found:
+        continue
+      var, result, op, rest = found.groups()
+      sizes[var] = _hbm_arrays(result)
+      if op in _NO_TRAFFIC:
+        continue
+      if op in ("while", "conditional", "call"):
+        called = re.findall(r"(?:body|to_apply)=(%[\w.\-]+)", line)
+        called += [c.strip() for group in re.findall(r"branch_computations=\{([^}]*)\}", line) for c in group.split(",")]
+        count += sum(total(c) for c in called)
+        continue
+      operands = re.findall(r"%[\w.\-]+", rest.split(")", 1)[0])
+      if op == "dynamic-update-slice":
+        count += 2 * sum(sizes.get(operands[1], ()))
+        continue
+      count += sum(b for o in operands for b in sizes.get(o, ()))
+      if op != "copy-start":
+        count += sum(sizes[var])
+    return count
+
+  return total("ENTRY")
+
+
+def table(points: list[Point]) -> str:
+  """The points side by side: per chip, GB read by the compiled step and by the roofline, and their times."""
+  lines = [f"{'rows':>5} {'cache':>6} {'GB acc':>8} {'opt ms':>8} {'HBM GB':>8} {'roof GB':>8} {'weights':>8} "
+           f"{'kv':>8} {'roof ms':>8} {'x roof':>7} {'HBM x':>6} {'kv held GB':>10}"]
+  for p in points:
+    if p.error:
+      lines.append(f"{p.concurrency:>5} {p.cache_length:>6} error: {p.error}")
+      continue
+    gb = lambda x: f"{x / 1e9:8.3f}" if x is not None else f"{'-':>8}"
+    ms = lambda x: f"{x * 1e3:8.3f}" if x is not None else f"{'-':>8}"
+    ratio = f"{p.ratio:7.2f}" if p.ratio is not None else f"{'-':>7}"
+    roof = p.weight_bytes + p.cache_bytes
+    hbm_ratio = f"{p.hbm_bytes / roof:6.2f}" if p.hbm_bytes is not None else f"{'-':>6}"
+    lines.append(f"{p.concurrency:>5} {p.cache_length:>6} {gb(p.bytes_accessed)} {ms(p.optimal_seconds)} "
+                 f"{gb(p.hbm_bytes)} {gb(roof)} {gb(p.weight_bytes)} {gb(p.cache_bytes)} {ms(p.roofline_seconds)} "
+                 f"{ratio} {hbm_ratio} {p.cache_bytes_held / 1e9:10.3f}")
+  return "\n".join(lines)
