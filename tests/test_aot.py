@@ -349,6 +349,21 @@ def test_partial_rollouts_compile_their_prefill_decode_and_reprefill_for_v5e():
 
 @pytest.mark.usefixtures("libtpu")
 @pytest.mark.slow
+def test_carried_slots_stay_resident_through_the_update_with_carry_kv():
+  """rollout.carry_kv keeps the slots' KV cache on the chips while the learner trains: the update counts it."""
+  from jaxrl_batch.model import KVCache, ModelConfig  # pylint: disable=import-outside-toplevel
+  resident = {}
+  for carry_kv in (False, True):
+    config = _tiny_with(**{"sampling.engine": "continuous", "sampling.slots": 2, "rollout.partial": True,
+                           "rollout.carry_kv": carry_kv})
+    report = aot.check(config, "v5e:2x2", programs=("update",), prompt_len=32, response_len=32)
+    resident[carry_kv] = report.program("update").memory.resident_bytes
+  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 63)  # 2 slots per chip, 63 positions
+  assert cache <= resident[True] - resident[False] < 2 * cache
+
+
+@pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
 def test_static_eval_and_the_weight_publish_of_an_async_run_for_v5e():
   """The evaluation's greedy pass compiles as the static engine's `generate` of the held-out rows; with
   rl.max_staleness = 1 the publish is no program: its bytes (the policy per chip, copied) are reported, and the

@@ -29,8 +29,9 @@ slots come from compiling `continuous._prefill` and `continuous._starter` and re
 
 Per program and per chip: argument, output, alias and temporary bytes (`memory_analysis`), peak = arguments +
 outputs - aliases + temporaries, and resident = what the step holds in HBM meanwhile that is not an argument (the
-optimizer state during a rollout, the reference policy during an update, the requests during a prefill, and with
-rl.max_staleness > 0 colocated the second copy of the policy). The verdict compares peak + resident with the
+optimizer state during a rollout, the reference policy during an update, the requests during a prefill, with
+rl.max_staleness > 0 colocated the second copy of the policy, and with rollout.carry_kv the slots partial rollouts
+keep, their KV cache, during the score, reference and update programs). The verdict compares peak + resident with the
 chip's HBM; an asynchronous run's generation runs beside the update, and their peaks are not added. Flops, bytes
 accessed and optimal seconds are the compiler's (`cost_analysis`, per chip), and it counts the body of a loop
 without its trip count: the update's figures do not grow with its micro-batches (seen equal for 4, 16 and 64 of
@@ -285,7 +286,7 @@ def _program_update(step: _Step):
   needs_ids = learner.needs_ids(algo, m.group_size, m.mini_batch_size, m.num_micro, exp.packing)
   noise_ids = step.rows((m.mini_batch_size, 2), jnp.int32) if needs_ids else None
   kl_coef = _struct((), jnp.float32, sharding.replicated(exp.mesh))
-  resident = step.resident("ref") + _async_copy(step)
+  resident = step.resident("ref") + _async_copy(step) + _kept_slots(step)
   if algo.updates_per_step > 1:  # The step's whole batch stays while its mini-batches are trained on.
     resident += _per_chip_bytes(step.train_batch(m.batch_size))
   if exp.packing is None:
@@ -310,7 +311,7 @@ def _program_score(step: _Step):
           step.rows((b, step.length), bool), step.rows((b, step.length), bool), step.experts(b))
   kwargs = dict(models=step.models, cfg=algo, need_policy=need_policy, packing=exp.packing,
                 num_micro=m.score_num_micro)
-  resident = step.resident("opt_state", "critic_opt_state", "ref") + _async_copy(step)
+  resident = step.resident("opt_state", "critic_opt_state", "ref") + _async_copy(step) + _kept_slots(step)
   return forward.logprobs_and_values, args, kwargs, resident, _forward_shape(step, b)
 
 
@@ -323,7 +324,7 @@ def _program_reference(step: _Step):
           step.rows((b, step.length), bool))
   kwargs = dict(models=forward.ModelDefs(step.models.graphdef), cfg=forward.reference_cfg(m.algo),
                 packing=exp.packing, num_micro=m.score_num_micro)
-  resident = step.resident("params", "opt_state", "critic", "critic_opt_state") + _async_copy(step)
+  resident = step.resident("params", "opt_state", "critic", "critic_opt_state") + _async_copy(step) + _kept_slots(step)
   return forward.logprobs_and_values, args, kwargs, resident, _forward_shape(step, b)
 
 
@@ -386,6 +387,17 @@ def _async_copy(step: _Step) -> int:
   if step.exp.member.algo.max_staleness < 1 or _generator_elsewhere(config) or _partial(config):
     return 0
   return _per_chip_bytes(step.state["params"])
+
+
+def _kept_slots(step: _Step) -> int:
+  """Per-chip bytes of the engine's slots that partial rollouts keep across the update (rollout.carry_kv: the slot
+  cache and its counters stay on the chips while the learner scores and trains, `continuous.KeptSlots`); 0 without
+  carry_kv, or where the engine's inputs do not lay out (its programs then say why)."""
+  config = step.exp.config
+  if not (_partial(config) and config.rollout.carry_kv):
+    return 0
+  inputs = _engine_inputs(step, False)
+  return 0 if isinstance(inputs, str) else _per_chip_bytes(inputs["state"])
 
 
 def _rollout_resident(step: _Step) -> int:
