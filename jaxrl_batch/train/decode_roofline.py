@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxrl_batch.model import DecodeSpan
+from jaxrl_batch.model import DecodeSpan, ModelConfig
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling.engine_settings import resolved_backend
 from jaxrl_batch.sampling.roofline import expected_distinct_experts
@@ -96,19 +96,27 @@ def roofline_bytes(step_: aot._Step, rows: int, length: int) -> tuple[float, flo
 
 def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, prompt_len: int,
             response_len: int) -> tuple[dict, list[Point]]:
-  """Compiles `step` for each concurrency (`sampling.slots` per chip x the data-parallel size) on compile-only
-  `topology` chips and returns (the topology's figures, one `Point` per concurrency)."""
+  """Compiles `step` for each concurrency (slots decoding at once on the slice: `sampling.slots` x the data-parallel
+  size) on compile-only `topology` chips and returns (the topology's figures, one `Point` per concurrency; a point
+  that cannot compile holds the reason in `error`)."""
   topo = topologies.compile_only(topology)
+  mesh = sharding.make_mesh(**config.mesh, devices=topo.devices)
+  data_parallel = sharding.data_parallel_size(mesh)
   points = []
   for concurrency in concurrencies:
+    if concurrency % data_parallel:
+      points.append(Point(concurrency, 0, None, None, None, 0.0, 0.0, 0.0, 0,
+                          error=f"not a multiple of the mesh's {data_parallel} data-parallel shards"))
+      continue
     with config.unlocked():
       config.sampling.engine = "continuous"
-      config.sampling.slots = concurrency
+      config.sampling.slots = concurrency // data_parallel
     exp = aot._experiment(config, topo.devices, prompt_len, response_len)  # pylint: disable=protected-access
     step_ = aot._Step.build(exp)  # pylint: disable=protected-access
     inputs = aot._engine_inputs(step_, False)  # pylint: disable=protected-access
     if isinstance(inputs, str):
-      raise ValueError(f"the engine does not run this config: {inputs}")
+      points.append(Point(concurrency, 0, None, None, None, 0.0, 0.0, 0.0, 0, error=inputs))
+      continue
     state, call = inputs["state"], inputs["call"]
     slots = state.token_S.shape[0]
     length = state.cache.length
@@ -129,14 +137,15 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
       point.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     points.append(point)
   chip = dict(topology=topo.name, chip=topo.chip.name, hbm_bytes_per_s=topo.chip.hbm_bytes_per_s,
-              mesh={k: int(v) for k, v in exp.mesh.shape.items()}, model_params=exp.model_cfg.num_params(),
-              attention_backend=resolved_backend_for(exp, call.engine.attention_backend))
+              mesh={k: int(v) for k, v in mesh.shape.items()},
+              model_params=ModelConfig.from_config(config.model).num_params(),
+              attention_backend=resolved_backend_for(mesh, config.sampling.attention_backend))
   return chip, points
 
 
-def resolved_backend_for(exp, backend: str) -> str:
-  """`backend` ("auto" too) as the engine resolves it on the experiment's chips."""
-  with jax.set_mesh(exp.mesh):
+def resolved_backend_for(mesh, backend: str) -> str:
+  """`backend` ("auto" too) as the engine resolves it on the chips of `mesh`."""
+  with jax.set_mesh(mesh):
     return resolved_backend(backend)
 
 
