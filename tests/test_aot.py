@@ -277,9 +277,10 @@ def _tiny_with(**overrides):
 @pytest.mark.usefixtures("libtpu")
 @pytest.mark.slow
 def test_continuous_engine_prefill_decode_and_eval_compile_for_v5e():
-  """The decode chunk's arguments hold the slot cache at its longest bucket (127 positions; the first bucket holds
-  64), so 2 more slots per chip add that cache's bytes, donated with the state; the prefill and the evaluation's
-  programs compile too, and the static engine's `rollout` is skipped."""
+  """The decode chunk's arguments hold the slot cache at its longest bucket (128 positions: P + N - 1 = 127 in whole
+  TPU tiles, `cache_buckets`; the first bucket holds 64), so 2 more slots per chip add that cache's bytes, donated
+  with the state; the prefill and the evaluation's programs compile too, and the static engine's `rollout` is
+  skipped."""
   from jaxrl_batch.model import KVCache, ModelConfig  # pylint: disable=import-outside-toplevel
   programs = ("rollout", "prefill", "decode", "eval_fill", "eval")
   config = _tiny_with(**{"sampling.engine": "continuous", "sampling.slots": 2, "model.head_dim": 128})
@@ -291,13 +292,13 @@ def test_continuous_engine_prefill_decode_and_eval_compile_for_v5e():
   decode, prefill, evaluation = report.program("decode"), report.program("prefill"), report.program("eval")
   assert decode.function == evaluation.function == "jaxrl_batch.sampling.continuous._chunk"
   assert prefill.function == "jaxrl_batch.sampling.continuous._prefill"
-  assert "8 slots, a slot cache of 127 positions, 16 requests" in decode.shape, decode.shape
+  assert "8 slots, a slot cache of 128 positions, 16 requests" in decode.shape, decode.shape
   assert "4 prompts x 32 tokens" in prefill.shape and "4 slots" in evaluation.shape, (prefill.shape, evaluation.shape)
   # The step's 16 requests (tokens, log-probs, budgets...) exist before its prefill: resident beside the optimizer.
   assert prefill.memory.resident_bytes > decode.memory.resident_bytes > 0
   config.sampling.slots = 4
   wider = aot.check(config, "v5e:2x2", programs=("decode",), prompt_len=32, response_len=96).program("decode")
-  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 32 + 96 - 1)  # 2 more slots per chip
+  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 128)  # 2 more slots per chip
   grown = wider.memory.argument_bytes - decode.memory.argument_bytes
   assert cache <= grown <= cache + 4096, (grown, cache)
   assert cache <= wider.memory.alias_bytes - decode.memory.alias_bytes <= cache + 4096  # Donated: updated in place.
@@ -342,7 +343,7 @@ def test_partial_rollouts_compile_their_prefill_decode_and_reprefill_for_v5e():
     assert p.status == "fits" and p.shape.startswith("partial rollouts"), (p.name, p.verdict)
   assert "16 prompts x 32 tokens, for 40 requests on 8 slots" in prefill.shape, prefill.shape
   assert "40 requests" in decode.shape and "31 tokens re-fed per slot" in reprefill.shape
-  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 63)  # 2 slots per chip, 63 positions
+  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 128)  # 2 slots per chip, 63 positions in 128
   assert reprefill.memory.alias_bytes == 0 and reprefill.memory.output_bytes >= cache
   assert decode.memory.alias_bytes >= cache
 
@@ -358,7 +359,7 @@ def test_carried_slots_stay_resident_through_the_update_with_carry_kv():
                            "rollout.carry_kv": carry_kv})
     report = aot.check(config, "v5e:2x2", programs=("update",), prompt_len=32, response_len=32)
     resident[carry_kv] = report.program("update").memory.resident_bytes
-  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 63)  # 2 slots per chip, 63 positions
+  cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 128)  # 2 slots per chip, 63 positions in 128
   assert cache <= resident[True] - resident[False] < 2 * cache
 
 

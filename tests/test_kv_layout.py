@@ -142,7 +142,9 @@ def test_compiled_step_on_a_tensor_mesh_holds_one_kv_head_per_chip():
   assert chip["mesh"]["tensor"] == 4 and chip["attention_backend"] in ("pallas", "xla")
   for point in points:
     assert not point.error, point.error
-    assert point.cache_length == 63 and point.bytes_accessed > 0 and point.hbm_bytes > 0
+    # 16 + 48 - 1 = 63 slots, in whole TPU tiles for the kernel (`cache_buckets`), 63 for the xla form.
+    assert point.cache_length == (128 if chip["attention_backend"] == "pallas" else 63)
+    assert point.bytes_accessed > 0 and point.hbm_bytes > 0
     # 2 kv heads of the tiny model repeated to 4: each chip holds one head of each of 2 layers' keys and values.
     assert point.cache_bytes_held == point.cache_bytes
   assert points[1].roofline_seconds > points[0].roofline_seconds

@@ -102,7 +102,7 @@ def test_cache_buckets():
   assert cache_buckets(32, 4064, "xla") == (64, 128, 256, 512, 1024, 2048, 4095)
   assert cache_buckets(3, 6, "xla") == (4, 8)
   assert cache_buckets(4, 1, "xla") == (4,)  # no decode step: the prefill's P slots
-  assert cache_buckets(32, 64, "pallas") == (95,)
+  assert cache_buckets(32, 64, "pallas") == (128,)  # whole TPU tiles: 95 rounded up to a multiple of 128
 
 
 def test_each_step_reads_the_smallest_bucket_and_the_loop_ends_with_the_last_row():
@@ -121,7 +121,8 @@ def test_each_step_reads_the_smallest_bucket_and_the_loop_ends_with_the_last_row
 
 
 def test_the_pallas_backend_is_handed_to_the_model_and_decodes_over_the_full_cache():
-  # As above, but one 40-slot segment: the kernel reads only the live blocks, so the cache does not grow.
+  # As above, but one segment of 128 slots (P + N - 1 = 40 rounded up to whole TPU tiles): the kernel reads only the
+  # live blocks, so the cache does not grow.
   log = StepLog()
   graphdef, params = _fake(log)
   prompt = jnp.array([[6], [9]], jnp.int32)
@@ -129,7 +130,7 @@ def test_the_pallas_backend_is_handed_to_the_model_and_decodes_over_the_full_cac
                  pad_id=PAD, sampling=GREEDY, attention_backend="pallas")
   jax.effects_barrier()
   np.testing.assert_array_equal(out.lengths_B, [8, 5])
-  assert sorted(log.steps) == [(slot, 40) for slot in range(1, 8)]
+  assert sorted(log.steps) == [(slot, 128) for slot in range(1, 8)]
   assert log.backends == {"pallas"}
 
 

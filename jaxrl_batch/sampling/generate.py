@@ -21,6 +21,8 @@ from jaxrl_batch.model.moe import stacked_experts
 from jaxrl_batch.sampling.engine_settings import resolved_backend
 from jaxrl_batch.sampling.strategies import Strategy, choose
 
+_KERNEL_SLOTS = 128  # a kernel cache's slots are a multiple of this: a TPU lane width, whole bf16 and f32 tiles
+
 
 class Rollout(NamedTuple):
   """Generated responses, right-padded.
@@ -75,10 +77,14 @@ def grows_in_place() -> bool:
 
 
 def cache_buckets(prompt_len: int, max_new_tokens: int, backend: str) -> tuple[int, ...]:
-  """Cache sizes (slots) of the decode segments; the last holds slot P + N - 2, the last one fed."""
+  """Cache sizes (slots) of the decode segments; the last holds slot P + N - 2, the last one fed. The kernels'
+  single size is rounded up to a multiple of _KERNEL_SLOTS: with P + N - 1 = 4,095 slots (not whole TPU tiles) the
+  TPU compiler laid the engine's cache out in a layout of its own choosing (rows minor to slots) and copied every
+  layer's keys and values into the Mosaic kernel's layout on every step: 2x the roofline's bytes at 256 rows
+  (`launch.decode_roofline`, docs/results/2026-12-06-decode-roofline.md)."""
   full = prompt_len + max_new_tokens - 1
   if backend == "pallas":
-    return (full,)
+    return (-(-full // _KERNEL_SLOTS) * _KERNEL_SLOTS,)
   sizes, size = [], 1 << prompt_len.bit_length()  # the smallest power of two > P: room for the first step
   while size < full:
     sizes.append(size)
@@ -103,13 +109,12 @@ def _prefilled(model, prompt_BxP, prompt_valid_BxP, *, group_size: int, length: 
   return cache.repeat_rows(g), logits_GxV, prompt_experts
 
 
-def _decoded(model, carry: _Carry, starts_B, budget_B, *, buckets: tuple[int, ...], in_place: bool, eos_id: int,
-             pad_id: int, sampling: Strategy, backend: str):
-  """Runs the decode segments from `carry` (see the module docstring): segment i takes the steps whose slot fits
-  the window buckets[i], then, unless every row has stopped, the later segments. Returns (steps run + 1,
-  tokens_BxN, logprobs_BxN, experts_BxNxLxK)."""
+def _decoded(model, carry: _Carry, starts_B, budget_B, *, p: int, buckets: tuple[int, ...], in_place: bool,
+             eos_id: int, pad_id: int, sampling: Strategy, backend: str):
+  """Runs the decode segments from `carry` (see the module docstring) after a prompt of P = p slots: segment i
+  takes the steps whose slot fits the window buckets[i], then, unless every row has stopped, the later segments.
+  Returns (steps run + 1, tokens_BxN, logprobs_BxN, experts_BxNxLxK)."""
   b, n = carry.tokens_BxN.shape
-  p = buckets[-1] - n + 1  # the last bucket holds P + N - 1 slots
 
   def body(c: _Carry, window: int):
     slot = p + c.step - 1  # cache slot of the previous token, fed now
@@ -208,6 +213,6 @@ def generate(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tok
       experts_BxNxLxK=None if prompt_experts is None else jnp.full((b, n, *prompt_experts.shape[2:]), -1,
                                                                    jnp.int16),
       rng=rng)
-  decoded = _decoded(model, carry, starts_B, budget_B, buckets=buckets, in_place=in_place, eos_id=eos_id,
+  decoded = _decoded(model, carry, starts_B, budget_B, p=p, buckets=buckets, in_place=in_place, eos_id=eos_id,
                      pad_id=pad_id, sampling=sampling, backend=backend)
   return _rollout(*decoded, budget_B, prompt_experts, prompt_valid_BxP, eos_id=eos_id, pad_id=pad_id)
