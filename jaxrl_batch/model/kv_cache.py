@@ -54,9 +54,11 @@ class KVCache(NamedTuple):
   `jaxrl_batch.model.masks`). Each (sequence, kv head) owns one contiguous block of each, laid out as the
   attention products read them: scores = q (G x H) @ keys (H x S), out = probs (G x S) @ values (S x H), both with
   the contraction over a row-major operand's rows, which XLA's CPU backend runs as one vectorised pass over the
-  cache (contracting H along the rows of an S x H block ran 2.7-4x slower, measured at B = 64 on two CPUs). A
-  decode step reads its layer's arrays as they are: a stacked (L, ...) array would have XLA copy the layer out on
-  every layer and step.
+  cache (contracting H along the rows of an S x H block ran 2.7-4x slower, measured at B = 64 on two CPUs). Keys
+  stored like values, (B, K, S, H), were tried for TPU: the compiled decode step of qwen2.5-1.5b on v5p read the
+  same bytes at 1-256 rows, while the CPU decode attention ran up to 1.9x slower (docs/results/
+  2026-12-06-decode-roofline.md, "Keys as values"). A decode step reads its layer's arrays as they are: a stacked
+  (L, ...) array would have XLA copy the layer out on every layer and step.
   """
 
   k_layers: tuple[jax.Array, ...]  # L x (B, K, H, S)
