@@ -78,14 +78,12 @@ def roofline_bytes(step_: aot._Step, rows: int, length: int) -> tuple[float, flo
   cfg, mesh = exp.model_cfg, exp.mesh
   params = step_.state["params"]
   weights = 0.0
-  tokens = rows
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    name = jax.tree_util.keystr(path)
-    held = math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-    if "embedding" in name and not cfg.tie_embeddings:
-      held *= min(1.0, tokens / leaf.shape[0])
+    held = aot._per_chip_bytes(leaf)  # pylint: disable=protected-access
+    if "embedding" in jax.tree_util.keystr(path) and not cfg.tie_embeddings:
+      held *= min(1.0, rows / leaf.shape[0])
     elif cfg.num_experts and leaf.ndim == 3 and leaf.shape[0] == cfg.num_experts:
-      held *= expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, tokens) / cfg.num_experts
+      held *= expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, rows) / cfg.num_experts
     weights += held
   tensor = mesh.shape.get("tensor", 1)
   heads = cfg.num_kv_heads // tensor if cfg.num_kv_heads % tensor == 0 else 1
