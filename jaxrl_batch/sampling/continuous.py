@@ -322,6 +322,19 @@ def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, 
                 jnp.where(resumed_S, p - length_S, state.start_S), state.live_S | resumed_S)
 
 
+def decode_token(model, slots: _Slots, uid_S, key, *, p: int, sampling: Strategy, backend: str):
+  """The engine's work per token: the model's cached one-token step over each live slot's span (a finished or free
+  slot writes the cache's idle slot and reads nothing), then the token choice by `sampling`, each row's key folded
+  from its request's `uid_S` and its count. `p`: the cache's prompt slots; `backend`: resolved. Returns (cache,
+  token_S, logp_S, experts_Sx1xLxK). `_chunk` runs it per token and `train.decode_roofline` compiles it alone."""
+  slot_S = jnp.where(slots.live_S, p + slots.count_S - 1, slots.cache.idle_slot)
+  span = DecodeSpan(slots.start_S, jnp.where(slots.live_S, slot_S + 1, 0))
+  logits_Sx1xV, cache, experts_Sx1xLxK = model.step(slots.token_S[:, None], slots.position_S[:, None], span,
+                                                    slots.cache, slot_S, decode_backend=backend)
+  token_S, logp_S = choose(logits_Sx1xV[:, 0], _row_keys(key, uid_S, slots.count_S), sampling)
+  return cache, token_S, logp_S, experts_Sx1xLxK
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "eos_id", "sampling", "attention_backend"),
                    donate_argnums=(2, 3))
 def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key,
@@ -342,12 +355,9 @@ def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, r
 
   def step(carry):
     i, decoded, c, out = carry
-    slot_S = jnp.where(c.live_S, p + c.count_S - 1, c.cache.idle_slot)  # a finished or free slot writes harmlessly
-    span = DecodeSpan(c.start_S, jnp.where(c.live_S, slot_S + 1, 0))  # and reads nothing
-    logits_Sx1xV, cache, experts_Sx1xLxK = model.step(c.token_S[:, None], c.position_S[:, None], span, c.cache,
-                                                      slot_S, decode_backend=backend)
     request_S = jnp.minimum(c.request_S, r - 1)
-    token_S, logp_S = choose(logits_Sx1xV[:, 0], _row_keys(key, requests.uid_R[request_S], c.count_S), sampling)
+    cache, token_S, logp_S, experts_Sx1xLxK = decode_token(model, c, requests.uid_R[request_S], key, p=p,
+                                                           sampling=sampling, backend=backend)
     written_S = jnp.where(c.live_S, c.request_S, r)
     count_S = c.count_S + c.live_S
     ended_S = c.live_S & ((token_S == eos_id) | (count_S >= requests.budget_R[request_S]))

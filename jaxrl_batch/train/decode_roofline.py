@@ -15,10 +15,10 @@ them (at one row, the weights staged into VMEM count about three times: read, wr
 `hbm_bytes`, the bytes each instruction of the optimized program reads and writes in HBM (`hbm_bytes`: operands and
 results outside on-chip memory, each counted whole; the body of a loop or branch once).
 
-The program compiled is `step`: what `continuous._chunk` runs per token (the model's cached one-token step over the
-slots' spans, then the token choice), without admission, which the engine runs once per chunk. Its cache and
-params are laid out as the trainer's (`train.aot`'s engine inputs), with every slot live at the cache's length, so
-the compiler's `bytes accessed` and `optimal_seconds` are one step's, comparable with the roofline.
+The program compiled is `step`: what `continuous._chunk` runs per token (`continuous.decode_token`: the model's
+cached one-token step over the slots' spans, then the token choice), without admission, which the engine runs once
+per chunk. Its slots and params are laid out as the trainer's (`train.aot`'s engine inputs), the cache at its
+longest, so the compiler's `bytes accessed` and `optimal_seconds` are one step's, comparable with the roofline.
 """
 import dataclasses
 import functools
@@ -30,23 +30,22 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxrl_batch.model import DecodeSpan, ModelConfig
+from jaxrl_batch.model import ModelConfig
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling.engine_settings import resolved_backend
 from jaxrl_batch.sampling.roofline import expected_distinct_experts
-from jaxrl_batch.sampling.strategies import Strategy, choose
+from jaxrl_batch.sampling import continuous
+from jaxrl_batch.sampling.strategies import Strategy
 from jaxrl_batch.train import aot
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "backend"), donate_argnums=(2,))
-def step(graphdef, params, cache, token_S, position_S, start_S, key, *, sampling: Strategy, backend: str):
-  """One decode step of S live slots at the cache's last slot: (cache, token_S, logp_S)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "p", "sampling", "backend"), donate_argnums=(2,))
+def step(graphdef, params, slots: continuous._Slots, uid_S, key, *, p: int, sampling: Strategy, backend: str):
+  """One decode step of the slots, as `continuous._chunk` runs it per token (`continuous.decode_token`): (cache,
+  token_S, logp_S)."""
   model = nnx.merge(graphdef, params)
-  slot_S = jnp.full_like(token_S, cache.length - 1)
-  logits_Sx1xV, cache, _ = model.step(token_S[:, None], position_S[:, None], DecodeSpan(start_S, slot_S + 1), cache,
-                                      slot_S, decode_backend=resolved_backend(backend))
-  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(token_S.shape[0]))
-  token_S, logp_S = choose(logits_Sx1xV[:, 0], keys, sampling)
+  cache, token_S, logp_S, _ = continuous.decode_token(model, slots, uid_S, key, p=p, sampling=sampling,
+                                                      backend=resolved_backend(backend))
   return cache, token_S, logp_S
 
 
@@ -125,8 +124,8 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
                   aot._per_chip_bytes(state.cache))  # pylint: disable=protected-access
     try:
       with jax.set_mesh(exp.mesh):
-        compiled = step.lower(step_.models.graphdef, step_.state["params"], state.cache, row(jnp.int32),
-                              row(jnp.int32), row(jnp.int32), inputs["key"], sampling=call.sampling,
+        compiled = step.lower(step_.models.graphdef, step_.state["params"], state, row(jnp.int32), inputs["key"],
+                              p=inputs["prefix"].valid_QxP.shape[1], sampling=call.sampling,
                               backend=call.engine.attention_backend).compile()
       cost = aot._cost(compiled)  # pylint: disable=protected-access
       point.bytes_accessed, point.optimal_seconds, point.flops = cost.bytes_accessed, cost.optimal_seconds, cost.flops
