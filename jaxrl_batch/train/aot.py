@@ -20,8 +20,9 @@ calls, with the static arguments it passes:
   eval_fill  the evaluation's prefill (`continuous._prefill` of the held-out prompts; continuous engine).
   eval       the evaluation's greedy pass (`train.evaluation.evaluate`): the static engine's `generate` of its
              rows (or blocks of `eval.slots` per chip), or the continuous engine's `decode_chunk` on `eval.slots`.
-  publish    the asynchronous run's weight publish (rl.max_staleness > 0, colocated): `jnp.copy` of every
-             parameter, not one program, reported by its bytes per chip (no compile, no cost).
+  publish    the asynchronous run's weight publish (rl.max_staleness > 0, colocated): the policy copied in the
+             compute dtype (`model.compute_copy`), not one program, reported by its bytes per chip (no compile, no
+             cost).
 There is no copy of a program here: when the trainer's program changes, the check compiles the new one. A program
 the config's step does not run is reported as skipped, with the reason (also a rollout mesh of its own and the
 generator process: not compiled yet). The engine's inputs are laid out as the trainer's are: the prefix and the
@@ -31,7 +32,10 @@ Per program and per chip: argument, output, alias and temporary bytes (`memory_a
 outputs - aliases + temporaries, and resident = what the step holds in HBM meanwhile that is not an argument (the
 optimizer state during a rollout, the reference policy during an update, the requests during a prefill, with
 rl.max_staleness > 0 colocated the second copy of the policy, and with rollout.carry_kv the slots partial rollouts
-keep, their KV cache, during the score, reference and update programs). The verdict compares peak + resident with the
+keep, their KV cache, during the score, reference and update programs). The engines and the reference policy read
+the policy in the compute dtype (`model.compute_copy`: float32 master weights under bfloat16 compute cast once), so
+the master weights are resident while the engines run; the cast itself is not compiled (its peak, master + copy,
+is under the engines'). The verdict compares peak + resident with the
 chip's HBM; an asynchronous run's generation runs beside the update, and their peaks are not added. Flops, bytes
 accessed and optimal seconds are the compiler's (`cost_analysis`, per chip), and it counts the body of a loop
 without its trip count: the update's figures do not grow with its micro-batches (seen equal for 4, 16 and 64 of
@@ -57,6 +61,7 @@ from flax import nnx
 from jaxrl_batch.config import family
 from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.model import ModelConfig
+from jaxrl_batch.model.compute_copy import abstract_compute_copy, casts_any
 from jaxrl_batch.model.value_head import ValueHead, ValueModel
 from jaxrl_batch.rl import critic as critic_lib
 from jaxrl_batch.rl import forward, learner, update
@@ -235,6 +240,7 @@ class _Step:
   models: forward.ModelDefs
   state: dict
   ref_params: dict | None
+  sampler_params: dict  # The policy as the engines read it (`model.compute_copy`): the master weights or a copy.
   memo: dict = dataclasses.field(default_factory=dict)  # The engine's inputs, laid out once (`_engine_inputs`).
 
   @classmethod
@@ -250,7 +256,9 @@ class _Step:
       critic_graphdef, state["critic"] = _abstract_critic(exp)
       state["critic_opt_state"] = _abstract_opt_state(critic_tx, state["critic"], exp.mesh)
     models = forward.ModelDefs(graphdef, actor.tx, critic_graphdef, critic_tx)
-    return cls(exp, models, state, params if m.algo.use_kl else None)
+    dtype = exp.model_cfg.compute_dtype
+    sampler = abstract_compute_copy(params, dtype) if casts_any(params, dtype) else params
+    return cls(exp, models, state, abstract_compute_copy(params, dtype) if m.algo.use_kl else None, sampler)
 
   def rows(self, shape, dtype):
     """A batch-sharded struct (leading dimension over data, fsdp and expert)."""
@@ -356,7 +364,7 @@ def _program_rollout(step: _Step):
     key = _struct((3,), jnp.int32, sharding.replicated(exp.mesh))  # `streams.sampling_key_data`
   else:  # Blocks of `slots` rows, each a call of `generate` (`sampling.engine.rollout`).
     fn, key = generate, _struct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding.replicated(exp.mesh))
-  args = (step.models.graphdef, step.state["params"], *prompts, key)
+  args = (step.models.graphdef, step.sampler_params, *prompts, key)
   resident = _rollout_resident(step)
   shape = (f"{rows} rows x {exp.prompt_len} prompt tokens (one prefill per group of {m.group_size}), up to "
            f"{exp.response_len} new tokens")
@@ -381,12 +389,13 @@ def _generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
 
 def _async_copy(step: _Step) -> int:
   """Per-chip bytes of the policy's second copy in an asynchronous colocated run (rl.max_staleness > 0): the
-  generator decodes with the policy published after an update (`AsyncCollector._publish`) while the learner holds
-  its own; 0 otherwise. Steps queued and not started yet hold theirs too (up to rl.max_staleness): not counted."""
+  generator decodes with the policy published after an update (`AsyncCollector._publish`, in the compute dtype)
+  while the learner holds its own; 0 otherwise. Steps queued and not started yet hold theirs too (up to
+  rl.max_staleness): not counted."""
   config = step.exp.config
   if step.exp.member.algo.max_staleness < 1 or _generator_elsewhere(config) or _partial(config):
     return 0
-  return _per_chip_bytes(step.state["params"])
+  return _per_chip_bytes(step.sampler_params)
 
 
 def _kept_slots(step: _Step) -> int:
@@ -400,10 +409,17 @@ def _kept_slots(step: _Step) -> int:
   return 0 if isinstance(inputs, str) else _per_chip_bytes(inputs["state"])
 
 
+def _learner_policy(step: _Step) -> int:
+  """Per-chip bytes of the learner's policy resident while the engines decode: its master weights when the engines
+  read another policy (a compute-dtype copy, or an asynchronous run's published one); 0 when they read it."""
+  separate = step.sampler_params is not step.state["params"] or _async_copy(step)
+  return step.resident("params") if separate else 0
+
+
 def _rollout_resident(step: _Step) -> int:
   """What the learner leaves in HBM while the policy decodes (a rollout, or the evaluation): its state but the
-  policy passed, and an asynchronous run's other copy of the policy."""
-  return step.resident("opt_state", "critic", "critic_opt_state", "ref") + _async_copy(step)
+  policy the engines read."""
+  return step.resident("opt_state", "critic", "critic_opt_state", "ref") + _learner_policy(step)
 
 
 def _stop_ids(exp: Experiment) -> tuple[int, int]:
@@ -534,7 +550,7 @@ def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
     return prompts
   exp, engine = step.exp, call.engine
   prompt_QxP, valid_QxP, requests = prompts
-  prefix = _laid_out(step, continuous._prefill, step.models.graphdef, step.state["params"], prompt_QxP, valid_QxP)
+  prefix = _laid_out(step, continuous._prefill, step.models.graphdef, step.sampler_params, prompt_QxP, valid_QxP)
   if isinstance(prefix, str):
     step.memo[key] = prefix
     return prefix
@@ -584,7 +600,7 @@ def _program_prefill(step: _Step, evaluating: bool = False):
   if isinstance(prompts, str):
     return prompts
   prompt_QxP, valid_QxP, requests = prompts
-  args = (step.models.graphdef, step.state["params"], prompt_QxP, valid_QxP)
+  args = (step.models.graphdef, step.sampler_params, prompt_QxP, valid_QxP)
   resident = _rollout_resident(step) + _per_chip_bytes(requests)  # The requests exist before the prefill.
   shape = (f"{call.what}: {call.prompts} prompts x {prompt_QxP.shape[1]} tokens, for {call.requests} requests on "
            f"{call.slots} slots")
@@ -596,7 +612,7 @@ def _program_decode(step: _Step, evaluating: bool = False):
   if isinstance(inputs, str):
     return inputs
   call = inputs["call"]
-  args = (step.models.graphdef, step.state["params"], inputs["state"], inputs["outputs"], inputs["prefix"],
+  args = (step.models.graphdef, step.sampler_params, inputs["state"], inputs["outputs"], inputs["prefix"],
           inputs["requests"], inputs["slots_S"], inputs["key"], inputs["own_SxM"])
   kwargs = dict(steps=call.engine.chunk, eos_id=_stop_ids(step.exp)[0], sampling=call.sampling,
                 attention_backend=call.engine.attention_backend)
@@ -619,7 +635,7 @@ def _program_reprefill(step: _Step):
   if isinstance(inputs, str):
     return inputs
   fed = continuous.fed_bucket(n - 1, n)  # The longest re-prefill: a sequence one token short of the budget.
-  args = (step.models.graphdef, step.state["params"], inputs["state"], inputs["outputs"], inputs["prefix"],
+  args = (step.models.graphdef, step.sampler_params, inputs["state"], inputs["outputs"], inputs["prefix"],
           inputs["requests"], inputs["slots_S"], inputs["own_SxM"])
   shape = f"{_engine_shape(step, inputs)}; {fed} tokens re-fed per slot"
   if call.carried and not short and exp.config.rollout.carry_kv:  # Carried sequences keep their caches.
@@ -651,7 +667,7 @@ def _program_eval(step: _Step):
   eos_id, pad_id = _stop_ids(exp)
   kwargs = dict(max_new_tokens=exp.response_len, eos_id=eos_id, pad_id=pad_id, sampling=Strategy(temperature=0.0),
                 group_size=1, attention_backend=engine.attention_backend)
-  args = (step.models.graphdef, step.state["params"], step.rows((block, exp.prompt_len), jnp.int32),
+  args = (step.models.graphdef, step.sampler_params, step.rows((block, exp.prompt_len), jnp.int32),
           step.rows((block, exp.prompt_len), bool), _key(exp))
   shape = (f"the evaluation's greedy pass: {rows} held-out rows in blocks of {block} x {exp.prompt_len} prompt "
            f"tokens, up to {exp.response_len} new tokens")
@@ -683,11 +699,14 @@ def _program_publish(step: _Step):
   elsewhere = _generator_elsewhere(config)
   if elsewhere:
     return elsewhere
-  params = _per_chip_bytes(step.state["params"])
+  params, copy = _per_chip_bytes(step.state["params"]), _per_chip_bytes(step.sampler_params)
   shape = (f"the policy's {exp.model_cfg.num_params() / 1e6:.1f}M parameters ({params / GIB:.3f} GiB per chip) copied "
-           "on the learner's chips")
-  how = "`AsyncCollector._publish` copies each parameter (`jnp.copy`): no program of ours, so no compile and no cost"
-  return _Copy(params, params, _rollout_resident(step), shape, how)
+           f"on the learner's chips in {exp.model_cfg.dtype} ({copy / GIB:.3f} GiB per chip)")
+  how = ("`AsyncCollector._publish` copies each parameter in the compute dtype (`model.compute_copy`: `astype`, or "
+         "`jnp.copy`): no program of ours, so no compile and no cost")
+  # Meanwhile: the learner's state but the policy copied, and the generator's previous copy.
+  resident = step.resident("opt_state", "critic", "critic_opt_state", "ref") + _async_copy(step)
+  return _Copy(params, copy, resident, shape, how)
 
 
 BUILDERS = dict(update=_program_update, score=_program_score, reference=_program_reference, rollout=_program_rollout,

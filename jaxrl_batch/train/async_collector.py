@@ -20,9 +20,9 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_batch.model import compute_copy
 from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.train.collector import Collector
@@ -66,13 +66,16 @@ class AsyncCollector:
     return rollouts, dataclasses.replace(stats, update_wait_s=idle)
 
   def _publish(self, params):
-    """The policy for the generator: a copy on the learner's devices (the update donates its state), or the policy
-    resharded onto the rollout devices (the same partition specs over the rollout mesh)."""
+    """The policy for the generator, in the compute dtype (`model.compute_copy`): a copy on the learner's devices
+    (the update donates its state), or resharded onto the rollout devices (the same partition specs over the rollout
+    mesh)."""
+    dtype = self.exp.model_cfg.compute_dtype
     if self.colocated:
-      return jax.tree.map(jnp.copy, params)
+      return compute_copy(params, dtype, copy=True)
+    policy = compute_copy(params, dtype)
     rollout_mesh = self.exp.mesh
-    return jax.device_put(params, jax.tree.map(
-        lambda x: jax.sharding.NamedSharding(rollout_mesh, x.sharding.spec), params))
+    return jax.device_put(policy, jax.tree.map(
+        lambda x: jax.sharding.NamedSharding(rollout_mesh, x.sharding.spec), policy))
 
   def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
     """Like `Collector.collect` for `step`, from the queue; first tops the queue up to step + k with `params`

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_batch.model import KVCache, PagedKVCache
+from jaxrl_batch.model import KVCache, PagedKVCache, compute_copy
 from jaxrl_batch.rl.advantages import zero_std_groups
 from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import memory, sharding, streams, transfer
@@ -168,8 +168,10 @@ class Collector:
                 timeouts=scores.timeouts, rollout_s=t1 - t0, reward_s=time.time() - t1, engine=engine_stats)
 
   def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
-    """The step's rollouts (on the device, with their rewards) and their host statistics."""
+    """The step's rollouts (on the device, with their rewards) and their host statistics; the engine decodes with
+    `params` cast once to the compute dtype (`model.compute_copy`)."""
     algo, m = self.member.algo, self.member
+    params = compute_copy(params, self.exp.model_cfg.compute_dtype)
     g, p = m.group_size, m.num_prompts
     rounds, kept, dropped = [], [], []
     for r in range(algo.max_sampling_rounds if algo.dynamic_sampling else 1):

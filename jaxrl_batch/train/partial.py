@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from jaxrl_batch.model import compute_copy
 from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import sharding, streams, transfer
 from jaxrl_batch.sampling import continuous
@@ -199,6 +200,7 @@ class PartialCollector(Collector):
   def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
     """The P oldest complete groups' rollouts (on the device, with their rewards) and the step's statistics."""
     exp, m = self.exp, self.member
+    params = compute_copy(params, exp.model_cfg.compute_dtype)  # What the engine reads (`model.compute_copy`).
     t0 = time.time()
     calls, ended = [], []
     while not calls or len(self._complete_groups({s["uid"] for s in ended})) < m.num_prompts:

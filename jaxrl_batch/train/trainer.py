@@ -26,6 +26,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_batch.config.optim import make_optimizer
+from jaxrl_batch.model import compute_copy
 from jaxrl_batch.rl.critic import init_critic
 from jaxrl_batch.rl.forward import ModelDefs
 from jaxrl_batch.rl.kl_control import KLController
@@ -255,8 +256,9 @@ class Trainer:
     stop_signal = None if signals is None else lambda: signals.received
     with transfer.scope("base_policy"):  # The warm start (trained or restored) moves whole trees.
       self.graphdef, base_params, base_dir = sft.load_or_train(exp, stop_signal=stop_signal)
-    # The reference policy is held only when a KL term exists.
-    self.ref_params = jax.tree.map(lambda x: x.copy(), base_params) if algo.use_kl else None
+    # The reference policy is held only when a KL term exists, in the compute dtype (`model.compute_copy`): frozen,
+    # its forward reads it cast anyway.
+    self.ref_params = compute_copy(base_params, exp.model_cfg.compute_dtype, copy=True) if algo.use_kl else None
     state = self._initial_state(base_params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     if seeding:
@@ -352,7 +354,7 @@ class Trainer:
   def _evaluate(self, params) -> dict:
     """{eval_accuracy, eval_reward_errors} of `params` (`train.evaluation.evaluate`)."""
     with transfer.scope("eval"):
-      return evaluation.evaluate(self.exp, self.graphdef, params)
+      return evaluation.evaluate(self.exp, self.graphdef, compute_copy(params, self.exp.model_cfg.compute_dtype))
 
   def _log_progress(self, counters: dict, stats, eval_acc: float | None, step_s: float) -> None:
     """The progress line: samples, reward, held-out accuracy, response length, seconds per step, ETA, a sample."""
