@@ -61,6 +61,22 @@ def base_cache():
   return os.environ["JAXRL_BATCH_TEST_BASE_CACHE"]
 
 
+@pytest.fixture(scope="session")
+def compile_only_tpu():
+  """`compile_only_tpu(name)`: libtpu's compile-only devices of TPU topology `name` ('v5p:2x2x1'), a
+  `topologies.Topology`; skips the test (with the reason) where libtpu is not installed or cannot load them."""
+  pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[tpu]')")
+  from jaxrl_batch.runtime import topologies  # pylint: disable=import-outside-toplevel  # after the environment above
+
+  def load(name):
+    try:
+      return topologies.compile_only(name)
+    except Exception as e:  # pylint: disable=broad-except  # any failure to load libtpu is a reason to skip
+      pytest.skip(f"libtpu cannot load a compile-only {name} here: {e}")
+
+  return load
+
+
 @pytest.fixture
 def poison_update(monkeypatch):
   """`poison_update(n, change)`: the n-th optimizer update (`rl.learner.update`) returns change(state, metrics)."""

@@ -23,13 +23,9 @@ OOM = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required 
 
 
 @pytest.fixture(scope="module")
-def libtpu():
+def libtpu(compile_only_tpu):
   """Skips (with the reason) where libtpu cannot give compile-only v5e:2x2 devices."""
-  pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[tpu]')")
-  try:
-    topologies.compile_only("v5e:2x2")
-  except Exception as e:  # pylint: disable=broad-except
-    pytest.skip(f"libtpu cannot load a compile-only v5e:2x2 here: {e}")
+  compile_only_tpu("v5e:2x2")
 
 
 def test_topology_names():

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrl_batch.model import KVCache, Transformer
 from jaxrl_batch.model.kv_cache import cache_heads
-from jaxrl_batch.runtime import sharding, topologies
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import EngineSettings, Strategy, continuous, generate_continuous
 from jaxrl_batch.train import decode_roofline
 from tests.helpers import assert_same_rollout, one_device_model, tiny_config
@@ -78,14 +78,6 @@ def test_tensor_mesh_repeats_kv_heads_and_gives_the_single_device_rollout():
   assert_same_rollout(got, expected, atol=1e-4)
 
 
-def _libtpu():
-  pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[tpu]')")
-  try:
-    topologies.compile_only("v5p:2x2x1")
-  except Exception as e:  # pylint: disable=broad-except
-    pytest.skip(f"libtpu cannot load a compile-only v5p:2x2x1 here: {e}")
-
-
 def _tiny_qwen():
   from configs import grpo_gsm8k_qwen  # pylint: disable=import-outside-toplevel
   config = grpo_gsm8k_qwen.get_config("model=tiny_random,mesh=1x1x4")
@@ -95,9 +87,8 @@ def _tiny_qwen():
   return config
 
 
-def test_roofline_bytes_count_each_chips_weights_and_heads():
-  _libtpu()
-  topo = topologies.compile_only("v5p:2x2x1")
+def test_roofline_bytes_count_each_chips_weights_and_heads(compile_only_tpu):
+  topo = compile_only_tpu("v5p:2x2x1")
   config = _tiny_qwen()
   with config.unlocked():
     config.sampling.slots = 8
@@ -136,8 +127,8 @@ ENTRY %main (a: f32[256,4], b: f32[4]) -> f32[256,4] {
 
 
 @pytest.mark.slow
-def test_compiled_step_on_a_tensor_mesh_holds_one_kv_head_per_chip():
-  _libtpu()
+def test_compiled_step_on_a_tensor_mesh_holds_one_kv_head_per_chip(compile_only_tpu):
+  compile_only_tpu("v5p:2x2x1")
   chip, points = decode_roofline.measure(_tiny_qwen(), "v5p:2x2x1", [1, 8], 16, 48)
   assert chip["mesh"]["tensor"] == 4 and chip["attention_backend"] in ("pallas", "xla")
   for point in points:

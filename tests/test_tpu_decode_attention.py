@@ -104,14 +104,9 @@ def test_auto_is_the_kernel_on_tpu_and_gpu():
 
 
 @pytest.fixture(scope="module")
-def v5p():
+def v5p(compile_only_tpu):
   """libtpu's compile-only v5p:2x2x1 devices; skips where libtpu cannot load."""
-  pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[tpu]')")
-  from jaxrl_batch.runtime import topologies
-  try:
-    return topologies.compile_only("v5p:2x2x1").devices
-  except Exception as e:  # noqa: BLE001 -- any failure to load libtpu is a reason to skip, not a test failure
-    pytest.skip(f"libtpu cannot load a compile-only v5p:2x2x1 here: {e}")
+  return compile_only_tpu("v5p:2x2x1").devices
 
 
 def _compiled(mesh, fn, b, n, kv, h, s, cache_heads):
