@@ -26,6 +26,7 @@ with its rewards ("rewards"), the metrics down.
 """
 import logging
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,6 +44,20 @@ def capacity(slots: int, batch_size: int, num_prompts: int, lookahead: int) -> t
   its own) and new requests of up to lookahead + 1 prompt steps (B requests, P prompt rows each). Fixed shapes:
   one program per run (`train.aot` compiles them)."""
   return slots + (lookahead + 1) * batch_size, slots + (lookahead + 1) * num_prompts
+
+
+class _Table(NamedTuple):
+  """One engine call's requests on the host, in `continuous.decode`'s order: the Q prompt rows (prompt_QxP,
+  valid_QxP), then per request (R rows) its prompt row, uid, token budget, tokens and log-probs so far and their
+  count (0 for a new request)."""
+  prompt_QxP: np.ndarray
+  valid_QxP: np.ndarray
+  prompt_R: np.ndarray
+  uid_R: np.ndarray
+  budget_R: np.ndarray
+  tokens_RxN: np.ndarray
+  logps_RxN: np.ndarray
+  held_R: np.ndarray
 
 
 def _seq(uid, prompt_row, problem, tokens, logps, versions, length, eos, reward=None):
@@ -129,49 +144,87 @@ class PartialCollector(Collector):
   # -- one step -------------------------------------------------------------------------------------------------
 
   def _decode(self, graphdef, params, step: int):
-    """One call of the engine for step `step`; moves ended sequences to `finished` and refreshes `carried`.
-    Returns (EngineStats, sequences ended this step)."""
-    exp, m = self.exp, self.member
-    n, g, pad = exp.response_len, m.group_size, exp.tokenizer.pad_id
-    end_uid = min((step + self.lookahead + 1) * m.batch_size, self.next_uid + self.capacity - len(self.carried))
-    reqs = self.carried + [dict(zip(("uid", "prompt", "problem"), (u, *self._request(u))))
+    """One call of the engine for step `step`: continues the carried sequences and starts the stream's next
+    requests until `_stop`; refreshes `carried`. Returns (EngineStats, the sequences that ended, not yet scored)."""
+    exp = self.exp
+    reqs = self._call_requests(step)
+    table = self._request_table(reqs)
+    prompt_QxP, valid_QxP, requests, key_data = self._upload_requests(table)
+    out = continuous.decode(graphdef, params, prompt_QxP, valid_QxP, requests, table.held_R, range(len(reqs)),
+                            _sampling_key(key_data), eos_id=exp.stop_id, sampling=exp.strategy, engine=exp.engine,
+                            slots=self.slots, stop=self._stop(table.uid_R), row_sharding=self._row_sharding,
+                            kept=self._kept_slots())
+    self.kept = out.kept if self.carry_kv else None
+    ended, self.carried = self._sort_out(reqs, out, table.held_R, step)
+    return out.stats, ended
+
+  def _call_requests(self, step: int) -> list[dict]:
+    """The requests of an engine call: the carried sequences, then the stream's next requests up to prompt step
+    `step` + lookahead, as many as the table holds (uid, prompt row, problem)."""
+    end_uid = min((step + self.lookahead + 1) * self.member.batch_size,
+                  self.next_uid + self.capacity - len(self.carried))
+    return self.carried + [dict(zip(("uid", "prompt", "problem"), (u, *self._request(u))))
                            for u in range(self.next_uid, end_uid)]
+
+  def _prompt_rows(self, reqs: list[dict]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(prompt_QxP, valid_QxP, the prompt row of each request): a carried request has a row of its own; new ones
+    share their group's (the first new one takes a row even mid-group)."""
+    exp = self.exp
     prompts, prompt_R = [], []
-    for i, req in enumerate(reqs):  # a carried request has its own prompt row; new ones share their group's
-      if i <= len(self.carried) or req["uid"] % g == 0:
+    for i, req in enumerate(reqs):
+      if i <= len(self.carried) or req["uid"] % self.member.group_size == 0:
         prompts.append(req["prompt"])
       prompt_R.append(len(prompts) - 1)
-    r, q = self.capacity, self.prompt_capacity
-    prompt_QxP = np.full((q, exp.prompt_len), pad, np.int32)
-    valid_QxP = np.zeros((q, exp.prompt_len), bool)
+    prompt_QxP = np.full((self.prompt_capacity, exp.prompt_len), exp.tokenizer.pad_id, np.int32)
+    valid_QxP = np.zeros((self.prompt_capacity, exp.prompt_len), bool)
     for i, (tokens_P, valid_P) in enumerate(prompts):
       prompt_QxP[i], valid_QxP[i] = tokens_P, valid_P
-    tokens_RxN, logps_RxN = np.full((r, n), pad, np.int32), np.zeros((r, n), np.float32)
-    held_R, uid_R, prompt_rows_R = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
-    prompt_rows_R[:len(reqs)], uid_R[:len(reqs)] = prompt_R, [req["uid"] for req in reqs]
-    for i, seq in enumerate(self.carried):
-      tokens_RxN[i], logps_RxN[i], held_R[i] = seq["tokens"], seq["logps"], seq["length"]
-    rows = sharding.batch_sharding(exp.mesh, 1)
-    device = transfer.to_device(
-        "prompts", (prompt_QxP, valid_QxP, prompt_rows_R, uid_R, np.full(r, n, np.int32), tokens_RxN, logps_RxN,
-                    held_R, streams.partial_key_data(m.seed)),
-        (sharding.replicated(exp.mesh),) * 2 + (rows,) * 3 + (sharding.batch_sharding(exp.mesh, 2),) * 2 +
-        (rows, sharding.replicated(exp.mesh)))
-    requests = continuous.Requests(*device[2:8])
-    kept = None
-    if self.kept is not None:  # carry_kv: the carried sequences' slots, under their rows of this call
-      slot_R = np.full(r, -1, np.int64)
-      slot_R[:len(self.carried)] = [seq.get("slot", -1) for seq in self.carried]
-      kept = self.kept._replace(slot_R=slot_R)
+    return prompt_QxP, valid_QxP, prompt_R
 
+  def _request_table(self, reqs: list[dict]) -> _Table:
+    """The host table of an engine call's requests at the fixed capacity (one program per run): the carried
+    sequences first, holding their tokens so far, then the new requests, holding none."""
+    n, pad, r = self.exp.response_len, self.exp.tokenizer.pad_id, self.capacity
+    prompt_QxP, valid_QxP, prompt_R = self._prompt_rows(reqs)
+    table = _Table(prompt_QxP, valid_QxP, prompt_R=np.zeros(r, np.int32), uid_R=np.zeros(r, np.int32),
+                   budget_R=np.full(r, n, np.int32), tokens_RxN=np.full((r, n), pad, np.int32),
+                   logps_RxN=np.zeros((r, n), np.float32), held_R=np.zeros(r, np.int32))
+    table.prompt_R[:len(reqs)], table.uid_R[:len(reqs)] = prompt_R, [req["uid"] for req in reqs]
+    for i, seq in enumerate(self.carried):
+      table.tokens_RxN[i], table.logps_RxN[i], table.held_R[i] = seq["tokens"], seq["logps"], seq["length"]
+    return table
+
+  def _upload_requests(self, table: _Table):
+    """The table on the device, in one transfer ("prompts") with the stream's key data: (prompt_QxP, valid_QxP,
+    `continuous.Requests`, key data); the prompts replicated, the requests split by row."""
+    mesh = self.exp.mesh
+    rows, replicated = sharding.batch_sharding(mesh, 1), sharding.replicated(mesh)
+    device = transfer.to_device("prompts", (*table, streams.partial_key_data(self.member.seed)),
+                                (replicated,) * 2 + (rows,) * 3 + (sharding.batch_sharding(mesh, 2),) * 2 +
+                                (rows, replicated))
+    return device[0], device[1], continuous.Requests(*device[2:8]), device[8]
+
+  def _kept_slots(self) -> continuous.KeptSlots | None:
+    """carry_kv: the slots the last call kept, each named under its carried sequence's row of this call; else None."""
+    if self.kept is None:
+      return None
+    slot_R = np.full(self.capacity, -1, np.int64)
+    slot_R[:len(self.carried)] = [seq.get("slot", -1) for seq in self.carried]
+    return self.kept._replace(slot_R=slot_R)
+
+  def _stop(self, uid_R: np.ndarray):
+    """The engine's test after each chunk: this step's `partial_budget` decode steps run and P groups complete,
+    counting the sequences ended in this call."""
     def stop(ended_R, decode_steps):
       ended = {int(uid_R[i]) for i in np.flatnonzero(ended_R)}
-      return decode_steps >= self.budget and len(self._complete_groups(ended)) >= m.num_prompts
+      return decode_steps >= self.budget and len(self._complete_groups(ended)) >= self.member.num_prompts
+    return stop
 
-    out = continuous.decode(graphdef, params, device[0], device[1], requests, held_R, range(len(reqs)),
-                            _sampling_key(device[8]), eos_id=exp.stop_id, sampling=exp.strategy, engine=exp.engine,
-                            slots=self.slots, stop=stop, row_sharding=self._row_sharding, kept=kept)
-    self.kept = out.kept if self.carry_kv else None
+  def _sort_out(self, reqs: list[dict], out: continuous.Decoded, held_R: np.ndarray,
+                step: int) -> tuple[list[dict], list[dict]]:
+    """(ended, still in flight) of an engine call's started requests, their new tokens stamped with `step` (and
+    under carry_kv an in-flight one's slot); moves the stream past the new requests started."""
+    n = self.exp.response_len
     tokens_RxN, logps_RxN, lengths_R, eos_R = transfer.to_host("tokens", tuple(out.outputs)[:4])
     ended, carried = [], []
     for i, req in enumerate(reqs):
@@ -188,8 +241,7 @@ class PartialCollector(Collector):
       if self.kept is not None and not out.ended_R[i]:
         seq["slot"] = int(self.kept.slot_R[i])
       (ended if out.ended_R[i] else carried).append(seq)
-    self.carried = carried
-    return out.stats, ended
+    return ended, carried
 
   def _complete_groups(self, also_ended: set) -> list[int]:
     """First uids of the groups whose G samples have all ended (waiting in `finished`, or in `also_ended`)."""
