@@ -2,7 +2,8 @@
 
 Decode is bandwidth-bound: a step of B rows must read, on each chip, the weights it holds and the keys and values of
 the rows it attends. `roofline_bytes` counts exactly that, for the run's mesh:
-  weights  every parameter's shard on the chip, but of an untied embedding table only the B rows gathered, and of a
+  weights  every parameter's shard on the chip as the engine reads it (`aot._Step.sampler_params`: cast to the
+           compute dtype where held wider), but of an untied embedding table only the B rows gathered, and of a
            mixture-of-experts layer only the experts its tokens are routed to (uniform routing:
            `sampling.roofline.expected_distinct_experts` of the chip's experts);
   cache    rows per chip (B over the batch axes) x the live length x layers x (keys + values) x head width x the
@@ -75,7 +76,7 @@ def roofline_bytes(step_: aot._Step, rows: int, length: int) -> tuple[float, flo
   (module docstring)."""
   exp = step_.exp
   cfg, mesh = exp.model_cfg, exp.mesh
-  params = step_.state["params"]
+  params = step_.sampler_params
   weights = 0.0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     held = aot._per_chip_bytes(leaf)  # pylint: disable=protected-access
@@ -124,7 +125,7 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
                   aot._per_chip_bytes(state.cache))  # pylint: disable=protected-access
     try:
       with jax.set_mesh(exp.mesh):
-        compiled = step.lower(step_.models.graphdef, step_.state["params"], state, row(jnp.int32), inputs["key"],
+        compiled = step.lower(step_.models.graphdef, step_.sampler_params, state, row(jnp.int32), inputs["key"],
                               p=inputs["prefix"].valid_QxP.shape[1], sampling=call.sampling,
                               backend=call.engine.attention_backend).compile()
       cost = aot._cost(compiled)  # pylint: disable=protected-access
@@ -162,15 +163,38 @@ def _hbm_arrays(text: str) -> list[int]:
   return found
 
 
+def _sliced_reads(lines: list[str]) -> dict[int, int]:
+  """Of a fused computation's parameters, those read only in part, by `dynamic-slice` or `gather` of them (the
+  per-row cache write's loop body, the embedding lookup): parameter number -> the bytes of the slices read."""
+  number, users = {}, {}
+  for line in lines:
+    found = _INSTRUCTION.match(line)
+    if not found:
+      continue
+    var, result, op, rest = found.groups()
+    if op == "parameter":
+      number[var] = int(re.match(r"\s*(\d+)", rest).group(1))
+      continue
+    for position, operand in enumerate(re.findall(r"%[\w.\-]+", rest.split(")", 1)[0])):
+      if operand in number:
+        sliced = op in ("dynamic-slice", "gather") and position == 0
+        array = _ARRAY.search(result)
+        users.setdefault(operand, []).append(
+            math.prod(int(d) for d in array.group(2).split(",") if d) * _ITEMSIZE[array.group(1)] if sliced else None)
+  return {number[p]: sum(read) for p, read in users.items() if None not in read}
+
+
 def hbm_bytes(hlo_text: str) -> float:
   """Bytes an optimized HLO module's instructions read and write in HBM: per instruction of the entry computation
   (and, once, of the bodies and branches it calls), its operands and result outside on-chip memory, each counted
-  whole; a copy into on-chip memory (copy-start) counts its source, an in-place dynamic-update-slice its update. An
-  estimate that over-counts a fusion reading part of an operand."""
+  whole but an operand a fusion only slices (`_sliced_reads`: the slices); a copy into on-chip memory (copy-start)
+  counts its source, an in-place dynamic-update-slice its update. An estimate that over-counts a fusion reading
+  part of an operand otherwise."""
   blocks = {}
   for block in re.split(r"\n(?=%|ENTRY )", hlo_text):
     head, _, body = block.partition("\n")
     blocks["ENTRY" if head.startswith("ENTRY") else head.split(" ")[0]] = body.split("\n")
+  sliced_by = {}  # fused computation -> `_sliced_reads`
 
   def total(name: str) -> float:
     sizes, count = {}, 0.0
@@ -191,7 +215,13 @@ def hbm_bytes(hlo_text: str) -> float:
       if op == "dynamic-update-slice":
         count += 2 * sum(sizes.get(operands[1], ()))
         continue
-      count += sum(b for o in operands for b in sizes.get(o, ()))
+      fused = re.search(r"calls=(%[\w.\-]+)", line) if op == "fusion" else None
+      if fused and fused.group(1) not in sliced_by:
+        sliced_by[fused.group(1)] = _sliced_reads(blocks.get(fused.group(1), ()))
+      sliced = sliced_by[fused.group(1)] if fused else {}
+      for i, operand in enumerate(operands):
+        held = sum(sizes.get(operand, ()))
+        count += min(held, sliced[i]) if i in sliced else held
       if op != "copy-start":
         count += sum(sizes[var])
     return count
