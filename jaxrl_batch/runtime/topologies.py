@@ -34,6 +34,8 @@ class Chip:
     accelerator_type: TPU: a TPU_ACCELERATOR_TYPE of this generation, set (where no TPU is attached) only so that
       libtpu's start-up finds host bounds instead of printing warnings; it does not shape the topology. GPU: "".
     platform: "tpu", or "cuda" for an NVIDIA GPU (whose devices report `platform` "gpu").
+    interconnect_bytes_per_s: nominal chip-to-chip bandwidth per chip, both directions together, as the vendors
+      publish it (TPU: ICI; GPU: NVLink within a node); a chip sends at half of it while it receives.
   """
   name: str
   device_kind: str
@@ -42,22 +44,34 @@ class Chip:
   peak_bf16_flops: float
   accelerator_type: str
   platform: str = "tpu"
+  interconnect_bytes_per_s: float = 0.0
 
 
 GIB = 2**30
+# Interconnect: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip)" of Google Cloud's system
+# architecture pages https://cloud.google.com/tpu/docs/v5e (400 GBps), .../tpu/docs/v5p (1200 GBps; its older
+# "4800 Gbps" is one direction), .../tpu/docs/v6e (800 GBps).
 CHIPS = {
-    "v5e": Chip("v5e", "TPU v5 lite", int(15.75 * GIB), 819e9, 197e12, "v5litepod-4"),  # nominal 16 GiB
-    "v5p": Chip("v5p", "TPU v5", int(95.74 * GIB), 2765e9, 459e12, "v5p-8"),  # nominal 95 GB
-    "v6e": Chip("v6e", "TPU v6 lite", int(31.25 * GIB), 1640e9, 918e12, "v6e-4"),  # nominal 32 GB
+    "v5e": Chip("v5e", "TPU v5 lite", int(15.75 * GIB), 819e9, 197e12, "v5litepod-4",  # nominal 16 GiB
+                interconnect_bytes_per_s=400e9),
+    "v5p": Chip("v5p", "TPU v5", int(95.74 * GIB), 2765e9, 459e12, "v5p-8",  # nominal 95 GB
+                interconnect_bytes_per_s=1200e9),
+    "v6e": Chip("v6e", "TPU v6 lite", int(31.25 * GIB), 1640e9, 918e12, "v6e-4",  # nominal 32 GB
+                interconnect_bytes_per_s=800e9),
 }
 HOST_BOUNDS = (2, 2, 1)  # libtpu's default chips per host: a topology smaller than this passes its own bounds.
 # GPUs, the SXM parts of 8-GPU nodes (HGX/DGX). Memory: the device_memory_size of gpu_specs/<name>.txtpb (tested equal).
 # Bandwidth and dense bf16 flops: NVIDIA's datasheets (H100 SXM: 3.35 TB/s, 989 TFLOP/s, i.e. 1,979 "with sparsity";
-# H200 SXM: 4.8 TB/s, the same GH100 compute; A100 SXM4 80GB: 2,039 GB/s, 312 TFLOP/s).
+# H200 SXM: 4.8 TB/s, the same GH100 compute; A100 SXM4 80GB: 2,039 GB/s, 312 TFLOP/s). NVLink per GPU, both
+# directions, from the same datasheets (https://www.nvidia.com/en-us/data-center/h100/, .../h200/, .../a100/):
+# H100 and H200 SXM 900 GB/s (fourth-generation NVLink), A100 SXM 600 GB/s (third generation).
 GPUS = {
-    "h100": Chip("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 3352e9, 989e12, "", "cuda"),  # 79.1 GiB
-    "h200": Chip("h200", "NVIDIA H200", 151_397_597_184, 4800e9, 989e12, "", "cuda"),  # 141 GiB
-    "a100": Chip("a100", "NVIDIA A100-SXM4-80GB", 85_100_068_864, 2039e9, 312e12, "", "cuda"),  # 79.3 GiB
+    "h100": Chip("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 3352e9, 989e12, "", "cuda",  # 79.1 GiB
+                 interconnect_bytes_per_s=900e9),
+    "h200": Chip("h200", "NVIDIA H200", 151_397_597_184, 4800e9, 989e12, "", "cuda",  # 141 GiB
+                 interconnect_bytes_per_s=900e9),
+    "a100": Chip("a100", "NVIDIA A100-SXM4-80GB", 85_100_068_864, 2039e9, 312e12, "", "cuda",  # 79.3 GiB
+                 interconnect_bytes_per_s=600e9),
 }
 GPU_SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 # JAX's GPU client allocates this fraction of each device's memory (XLA_CLIENT_MEM_FRACTION, formerly

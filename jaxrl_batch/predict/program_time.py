@@ -1,0 +1,189 @@
+"""The seconds one compiled program takes on a chip, by a roofline: the compiler's flops and bytes accessed against
+the chip's matmul rate and memory bandwidth, plus the bytes its collectives send over the interconnect.
+
+Why: a step's time on hardware we do not have follows from the programs `train.aot` compiles for it. Collectives
+are read from the optimized HLO text (`compiled.as_text()`), each with the bytes one chip sends by the ring costs
+(n chips per replica group): all-reduce 2 (n - 1) / n x its bytes, all-gather (n - 1) / n x the result's,
+reduce-scatter (n - 1) / n x the operand's, all-to-all (n - 1) / n x its bytes, collective-permute its bytes. A
+loop's body appears once in the text: its collectives are counted once and marked `in_loop` (no trip counts guessed).
+"""
+import dataclasses
+import math
+import re
+
+from jaxrl_batch.runtime.topologies import Chip
+
+_BITS = dict(pred=8, s2=2, u2=2, s4=4, u4=4, s8=8, u8=8, f8e4m3fn=8, f8e5m2=8, f8e4m3b11fnuz=8, f8e4m3fnuz=8,
+             f8e5m2fnuz=8, bf16=16, f16=16, s16=16, u16=16, f32=32, s32=32, u32=32, f64=64, s64=64, u64=64, c64=64,
+             c128=128)
+_ARRAY = re.compile(r"\b(" + "|".join(_BITS) + r")\[([^\]]*)\]")
+_INSTRUCTION = re.compile(r"\s+(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\(")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=(%?[\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_WHILE = re.compile(r"\bcondition=(%?[\w.\-]+), body=(%?[\w.\-]+)")
+_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """What one chip does per second: matmul FLOPs, memory bytes, and interconnect bytes it sends (one direction),
+  named, with where the figures come from."""
+  name: str
+  matmul_flops_per_s: float
+  memory_bytes_per_s: float
+  interconnect_bytes_per_s: float
+  source: str
+
+  @classmethod
+  def from_chip(cls, chip: Chip) -> "Rates":
+    """A chip's published figures (`topologies.CHIPS`/`GPUS`); it sends at half its bidirectional interconnect rate."""
+    return cls(chip.name, chip.peak_bf16_flops, chip.hbm_bytes_per_s, chip.interconnect_bytes_per_s / 2,
+               "published (runtime.topologies)")
+
+  @classmethod
+  def measured(cls, machine: dict[str, float], name: str = "this machine") -> "Rates":
+    """Rates measured by `sampling.roofline.measure_machine` (one device: no interconnect)."""
+    return cls(name, machine["matmul_flops_per_s"], machine["bandwidth_bytes_per_s"], 0.0,
+               "measured (sampling.roofline.measure_machine)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a program: `op` (an async -start form named as its op), `bytes` (per chip: the array of an
+  all-reduce, all-to-all or collective-permute, the result of an all-gather, the operand of a reduce-scatter),
+  `group_size` n (chips per replica group; 2 for a collective-permute: each pair), `sent_bytes` (what one chip sends
+  by the ring costs) and `in_loop` (inside a while loop's body or condition: counted once here)."""
+  op: str
+  bytes: int
+  group_size: int
+  sent_bytes: float
+  in_loop: bool
+
+
+def _array_bytes(type_text: str) -> list[tuple[str, int]]:
+  """(dtype, bytes) of each array of an HLO type (a tuple's in order)."""
+  out = []
+  for dtype, dims in _ARRAY.findall(type_text):
+    elements = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d)
+    out.append((dtype, elements * _BITS[dtype] // 8))
+  return out
+
+
+def _all_devices(hlo_text: str) -> int:
+  """Chips of a replica group that names none: every partition x replica of the module."""
+  header = hlo_text[:hlo_text.find("\n")]
+  count = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}=(\d+)", header)) else 1
+  return count("num_partitions") * count("replica_count")
+
+
+def _group_size(line: str, hlo_text: str) -> int:
+  """n, the chips of each replica group: `{{0,1,2,3}}`, the iota form `[groups,n]<=[...]`, or the mesh form
+  `mesh['a'=2,'b'=4] {'b'}`; no groups (or `{}`) means every chip."""
+  if (m := re.search(r"replica_groups=\{\{([\d,\s]*)\}", line)):
+    return len([x for x in m.group(1).split(",") if x.strip()])
+  if (m := re.search(r"replica_groups=\[([\d,]+)\]<=", line)):
+    return int(m.group(1).split(",")[-1])
+  if (m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)):
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", m.group(2)))
+  if "replica_groups=" in line and not re.search(r"replica_groups=\{\}", line):
+    raise ValueError(f"unknown replica_groups form in: {line.strip()[:300]}")
+  return _all_devices(hlo_text)
+
+
+def _loop_computations(hlo_text: str) -> set[str]:
+  """Names of the computations run inside a while loop: bodies and conditions, and what they call."""
+  calls, current, roots = {}, None, []
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      current = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
+      calls[current] = set()
+    elif current is not None and line[:1].isspace():
+      called = _CALLED.findall(line) + [b for m in _BRANCHES.findall(line) for b in m.split(",")]
+      calls[current].update(name.strip().lstrip("%") for name in called)
+      if (loop := _WHILE.search(line)):
+        roots += [name.lstrip("%") for name in loop.groups()]
+  inside, todo = set(), list(roots)
+  while todo:
+    name = todo.pop()
+    if name not in inside:
+      inside.add(name)
+      todo += calls.get(name, ())
+  return inside
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """The collectives of an optimized HLO module's text, in order (the -done halves of async pairs skipped)."""
+  loops, current, out = _loop_computations(hlo_text), None, []
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      current = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m or m.group(2).removesuffix("-start") not in _OPS:
+      continue
+    op, start = m.group(2).removesuffix("-start"), m.group(2).endswith("-start")
+    arrays = _array_bytes(m.group(1))
+    if start and op != "all-reduce":  # (operands, results[, u32[] contexts]): the results
+      arrays = [a for a in arrays if a != ("u32", 4)]
+      arrays = arrays[len(arrays) // 2:]
+    size = sum(b for _, b in arrays)
+    if op == "collective-permute":
+      out.append(Collective(op, size, 2, float(size), current in loops))
+      continue
+    n = _group_size(line, hlo_text)
+    if op == "reduce-scatter":
+      size *= n
+    share = (n - 1) / n
+    out.append(Collective(op, size, n, (2 * share if op == "all-reduce" else share) * size, current in loops))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTime:
+  """A program's roofline on one chip: flops and bytes accessed (the compiler's cost analysis), the bytes its
+  collectives send, the seconds each takes at `rates`, and the compiler's own optimal_seconds (None where absent)."""
+  flops: float
+  bytes_accessed: float
+  collective_bytes: float
+  compute_s: float
+  memory_s: float
+  collective_s: float
+  optimal_seconds: float | None
+  collectives: tuple[Collective, ...]
+  rates: Rates
+
+  @property
+  def seconds(self) -> float:
+    """max(compute, memory) + collectives: compute and memory overlap; collectives are taken as not overlapped."""
+    return max(self.compute_s, self.memory_s) + self.collective_s
+
+  @property
+  def collectives_in_loops(self) -> int:
+    """Collectives inside a loop, counted once although they run once per iteration."""
+    return sum(c.in_loop for c in self.collectives)
+
+
+def _cost_analysis(compiled) -> dict:
+  costs = compiled.cost_analysis()
+  if isinstance(costs, list | tuple):
+    costs = costs[0] if costs else None
+  return costs or {}
+
+
+def program_time(compiled, rates: Rates) -> ProgramTime:
+  """The roofline of a compiled executable (`jax.jit(...).lower(...).compile()`) at `rates`. Raises ValueError
+  where the compiler gives no flops or bytes (XLA's GPU executables report no cost analysis)."""
+  costs = _cost_analysis(compiled)
+  if costs.get("flops") is None or costs.get("bytes accessed") is None:
+    raise ValueError(f"{rates.name}: the compiler reports no cost analysis (flops, bytes accessed) for this program.")
+  found = tuple(collectives(compiled.as_text()))
+  sent = sum(c.sent_bytes for c in found)
+  if sent and not rates.interconnect_bytes_per_s:
+    raise ValueError(f"{rates.name} has no interconnect rate, but the program sends {sent:.0f} bytes.")
+  optimal = costs.get("optimal_seconds")
+  return ProgramTime(
+      flops=float(costs["flops"]), bytes_accessed=float(costs["bytes accessed"]), collective_bytes=sent,
+      compute_s=costs["flops"] / rates.matmul_flops_per_s, memory_s=costs["bytes accessed"] / rates.memory_bytes_per_s,
+      collective_s=sent / rates.interconnect_bytes_per_s if sent else 0.0,
+      optimal_seconds=None if optimal is None or optimal < 0 else float(optimal), collectives=found, rates=rates)
