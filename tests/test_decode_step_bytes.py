@@ -1,5 +1,5 @@
 """The decode step's bytes on a TPU slice (issue 36): the token choice over a vocabulary split over `tensor` stays
-split (`continuous._choose`), and `train.decode_roofline.hbm_bytes` counts an operand a fusion only slices as the
+split (`strategies.choose`), and `train.decode_roofline.hbm_bytes` counts an operand a fusion only slices as the
 slices read, so the per-row cache write's loop and the embedding lookup count the rows they touch, not the whole
 layer or table."""
 import jax
@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_batch.model import KVCache
 from jaxrl_batch.runtime import sharding
-from jaxrl_batch.sampling import Strategy, continuous
+from jaxrl_batch.sampling import Strategy
 from jaxrl_batch.sampling.strategies import choose
 from jaxrl_batch.train import decode_roofline
 
@@ -95,7 +95,7 @@ def test_token_choice_over_a_split_vocabulary_stays_split(compile_only_tpu):
   rows, vocab = 64, 151_936  # qwen2.5-1.5b's vocabulary: 37,984 tokens a chip, not whole chunks of 128
   logits_per_chip = rows * vocab * 4 // 4
   for sampling in (Strategy(), Strategy(temperature=0.0)):
-    compiled = _sharded_choice(mesh, rows, vocab, sampling, continuous._choose)  # pylint: disable=protected-access
+    compiled = _sharded_choice(mesh, rows, vocab, sampling, choose)
     # Gathered onto each chip, the probabilities were read and written many times over (43x the logits sampling).
     assert decode_roofline.hbm_bytes(compiled.as_text()) < 8 * logits_per_chip, sampling
 
@@ -107,7 +107,7 @@ def test_padded_choice_gives_the_tokens_and_log_probs_of_the_unpadded_one():
   for sampling in (Strategy(), Strategy(temperature=0.7, top_k=20), Strategy(top_p=0.9), Strategy(temperature=0.0)):
     token_B, logp_B = choose(logits_BxV, keys_B, sampling)
     with jax.set_mesh(mesh):
-      padded = jax.jit(continuous._choose, static_argnums=2)(  # pylint: disable=protected-access
+      padded = jax.jit(choose, static_argnums=2)(
           jax.device_put(logits_BxV, NamedSharding(mesh, P(None, "tensor"))), keys_B, sampling)
     np.testing.assert_array_equal(np.asarray(padded[0]), np.asarray(token_B))
     np.testing.assert_allclose(np.asarray(padded[1]), np.asarray(logp_B), atol=1e-5)

@@ -27,7 +27,7 @@ from jaxrl_batch.sampling.engine_settings import EngineSettings, resolved_backen
 from jaxrl_batch.sampling.generate import Rollout, cache_buckets, recorded_experts
 from jaxrl_batch.sampling.pages import PageTable
 from jaxrl_batch.sampling.scheduler import EVICT, Plan, Scheduler
-from jaxrl_batch.sampling.strategies import _CHUNK, Strategy, choose
+from jaxrl_batch.sampling.strategies import Strategy, choose
 
 
 class _Prefix(NamedTuple):
@@ -322,19 +322,6 @@ def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, 
                 jnp.where(resumed_S, p - length_S, state.start_S), state.live_S | resumed_S)
 
 
-def _choose(logits_SxV, keys_S, sampling: Strategy):
-  """`strategies.choose` with the vocabulary padded (-inf: probability 0, never chosen) so that each of the ambient
-  mesh's `tensor` shards holds whole chunks of the choice's passes (`strategies._CHUNK`). At qwen2.5-1.5b's 151,936
-  tokens over 4 chips a shard ended inside a chunk and the TPU compiler gathered every row's float32 probabilities
-  onto each chip (64 rows on v5p: the choice accessed 652 MB, 134 MB padded; docs/results/
-  2026-12-06-decode-roofline.md). Unpadded without a tensor axis, where the chunks are the same."""
-  mesh = jax.sharding.get_abstract_mesh()
-  whole = _CHUNK * (1 if mesh.empty else mesh.shape.get("tensor", 1))
-  if whole > _CHUNK and logits_SxV.shape[-1] % whole:
-    logits_SxV = jnp.pad(logits_SxV, ((0, 0), (0, -logits_SxV.shape[-1] % whole)), constant_values=-jnp.inf)
-  return choose(logits_SxV, keys_S, sampling)
-
-
 def decode_token(model, slots: _Slots, uid_S, key, *, p: int, sampling: Strategy, backend: str):
   """The engine's work per token: the model's cached one-token step over each live slot's span (a finished or free
   slot writes the cache's idle slot and reads nothing), then the token choice by `sampling`, each row's key folded
@@ -344,7 +331,7 @@ def decode_token(model, slots: _Slots, uid_S, key, *, p: int, sampling: Strategy
   span = DecodeSpan(slots.start_S, jnp.where(slots.live_S, slot_S + 1, 0))
   logits_Sx1xV, cache, experts_Sx1xLxK = model.step(slots.token_S[:, None], slots.position_S[:, None], span,
                                                     slots.cache, slot_S, decode_backend=backend)
-  token_S, logp_S = _choose(logits_Sx1xV[:, 0], _row_keys(key, uid_S, slots.count_S), sampling)
+  token_S, logp_S = choose(logits_Sx1xV[:, 0], _row_keys(key, uid_S, slots.count_S), sampling)
   return cache, token_S, logp_S, experts_Sx1xLxK
 
 

@@ -105,9 +105,23 @@ def sample(logp_BxV: jax.Array, rng: jax.Array) -> jax.Array:
   return chunk_B * _CHUNK + jnp.minimum(jnp.sum(cum_BxW <= u_Bx1, axis=-1), _last_positive(p_BxW))
 
 
+def _whole_chunks_per_shard(logits_BxV: jax.Array) -> jax.Array:
+  """The logits padded (-inf: probability 0, never chosen) so that each of the ambient mesh's `tensor` shards of the
+  vocabulary holds whole chunks. At qwen2.5-1.5b's 151,936 tokens over 4 chips a shard ended inside a chunk and the
+  TPU compiler gathered every row's float32 probabilities onto each chip (64 rows on v5p: the choice accessed
+  652 MB, 134 MB padded; docs/results/2026-12-06-decode-roofline.md). Unpadded without a tensor axis, where the
+  chunks are the same."""
+  mesh = jax.sharding.get_abstract_mesh()
+  whole = _CHUNK * (1 if mesh.empty else mesh.shape.get("tensor", 1))
+  if whole == _CHUNK or logits_BxV.shape[-1] % whole == 0:
+    return logits_BxV
+  return jnp.pad(logits_BxV, ((0, 0), (0, -logits_BxV.shape[-1] % whole)), constant_values=-jnp.inf)
+
+
 def choose(logits_BxV: jax.Array, rng: jax.Array, strategy: Strategy) -> tuple[jax.Array, jax.Array]:
   """Next token and its log-prob under softmax(logits / T) (before truncation); `rng` as `sample`'s. Returns
   (token_B, logp_B)."""
+  logits_BxV = _whole_chunks_per_shard(logits_BxV)
   if strategy.greedy:
     logits_BxV = logits_BxV.astype(jnp.float32)
     token_B = argmax(logits_BxV)
