@@ -79,21 +79,12 @@ def test_streamed_rewards_are_the_rewards_of_the_rollout(tmp_path, base_cache):
     trainer.exp.scorer.close()
 
 
-def _reward_timeout(trainer, seconds):
-  """Sets `trainer`'s task.reward_timeout_s on its scorer (`tasks.make_scorer`), before its first reward: a config
-  override would change the warm-start cache's key (`sft.cache_key` covers the whole task group) and train a base
-  policy for this test alone (1,000 SFT steps, about a minute)."""
-  assert trainer.exp.scorer.timeout_s == trainer.exp.config.task.reward_timeout_s > 0  # the config's, unused so far
-  trainer.exp.scorer.timeout_s = seconds
-
-
 def test_a_reward_that_hangs_for_good_stops_the_run_with_an_error_and_a_rerun_resumes(tmp_path, base_cache):
   """Past scorer.max_hung abandoned threads still running, the run stops with the error (here in step 2, whose
   rewards hang), and a rerun with a reward that returns resumes the run directory."""
   workdir = str(tmp_path / "run")
-  config = lambda: debug_config(base_cache, sample_budget=64)
+  config = lambda: debug_config(base_cache, sample_budget=64, **{"task.reward_timeout_s": 0.05})
   trainer = Trainer(config(), workdir, devices=ONE_DEVICE)
-  _reward_timeout(trainer, 0.05)
   original, release = trainer.exp.task.reward, threading.Event()
   held_out = {id(p) for p in trainer.exp.task.eval_problems()}
 
@@ -121,8 +112,8 @@ HANG_S = 600
 
 def test_a_reward_past_its_timeout_scores_0_is_counted_and_does_not_stall_the_run(tmp_path, base_cache):
   workdir = str(tmp_path / "run")
-  trainer = Trainer(debug_config(base_cache, sample_budget=64, **STREAMED), workdir, devices=ONE_DEVICE)
-  _reward_timeout(trainer, 0.2)
+  trainer = Trainer(debug_config(base_cache, sample_budget=64, **STREAMED, **{"task.reward_timeout_s": 0.2}), workdir,
+                    devices=ONE_DEVICE)
   original, release, hung = trainer.exp.task.reward, threading.Event(), []
   held_out = {id(p) for p in trainer.exp.task.eval_problems()}
 

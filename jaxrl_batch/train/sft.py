@@ -27,6 +27,7 @@ from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import streams
 from jaxrl_batch.runtime.checkpointing import Checkpointer
 from jaxrl_batch.runtime.preemption import Stopped
+from jaxrl_batch.tasks import SCORING_FIELDS
 from jaxrl_batch.train.evaluation import eval_accuracy
 from jaxrl_batch.train.setup import Experiment
 
@@ -82,13 +83,16 @@ MEMORY_SETTINGS = ("logits_chunk", "remat", "attention", "moe_chunk")
 
 
 def cache_key(exp: Experiment) -> str:
-  """Hash of everything the base policy depends on."""
+  """Hash of everything the base policy depends on. How rewards are scored (`tasks.SCORING_FIELDS`: timeouts,
+  workers, streaming, the failure limit) is not: those fields enter at their defaults, so changing them reuses the
+  base (and the keys of caches made before they were left out stay valid)."""
   with open(exp.tokenizer.path, "rb") as f:
     tokenizer_hash = hashlib.sha256(f.read()).hexdigest()
   c = exp.config
   sft = {k: v for k, v in c.sft.items() if k != "cache_dir"}
   model = {k: v for k, v in c.model.items() if k not in MEMORY_SETTINGS}
-  key = dict(model=model, task=c.task.to_dict(), sft=sft, seed=c.seed, tokenizer=tokenizer_hash,
+  task = {k: SCORING_FIELDS[k] if k in SCORING_FIELDS else v for k, v in c.task.to_dict().items()}
+  key = dict(model=model, task=task, sft=sft, seed=c.seed, tokenizer=tokenizer_hash,
              response_len=exp.response_len)
   if exp.chat is not None:  # Only then: the keys of existing caches stay valid.
     key["chat_template"] = dataclasses.asdict(exp.chat)
