@@ -12,7 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_batch.predict.program_time import Collective, Rates, collectives, program_time
 from jaxrl_batch.runtime import topologies
 
-# One f32[256] is 1 KiB. The module's 8 chips; a fusion called from the loop body holds an all-reduce.
+# One f32[256] is 1 KiB. The module's 8 chips; a fusion called from the loop body holds an all-reduce. The mesh form
+# over two axes is written as libtpu prints one (`mesh['axis_0'=2,...] {'axis_0'}`), with the axes listed.
 HLO = """HloModule m, replica_count=1, num_partitions=8
 
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -43,7 +44,7 @@ ENTRY %main (a: f32[256], b: bf16[64,8]) -> f32[256] {
   %a = f32[256]{0} parameter(0)
   %b = bf16[64,8]{1,0} parameter(1)
   %ar = (f32[256]{0}, bf16[64,8]{1,0:T(8,128)(2,1)}) all-reduce(%a, %b), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
-  %ags = (f32[64]{0:T(256)S(1)}, f32[256]{0}) all-gather-start(%a), channel_id=2, replica_groups=mesh['x'=2,'y'=4] {'y'}, dimensions={0}
+  %ags = (f32[32]{0:T(256)S(1)}, f32[256]{0}) all-gather-start(%a), channel_id=2, replica_groups=mesh['x'=2,'y'=4] {'x','y'}, dimensions={0}
   %agd = f32[256]{0} all-gather-done(%ags)
   %rs = f32[32]{0} reduce-scatter(%a), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
   %ars = f32[256]{0} all-reduce-start(%a), channel_id=4, replica_groups={}, to_apply=%add
@@ -62,7 +63,7 @@ def test_collectives_of_hand_written_hlo_with_each_group_form_and_ring_cost():
   expected = [
       Collective("all-reduce", kib, 4, 2 * 3 / 4 * kib, True),  # in %inner, a fusion of the loop body
       Collective("all-reduce", 2 * kib, 2, 2 * 1 / 2 * 2 * kib, False),  # f32[256] + bf16[64,8], groups of 2
-      Collective("all-gather", kib, 4, 3 / 4 * kib, False),  # the start's result, not its f32[64] operand
+      Collective("all-gather", kib, 8, 7 / 8 * kib, False),  # the start's result, not its f32[32] operand
       Collective("reduce-scatter", 8 * 128, 8, 7 / 8 * 8 * 128, False),  # operand: 8 x the f32[32] result
       Collective("all-reduce", kib, 8, 2 * 7 / 8 * kib, False),  # {}: all 8 partitions
       Collective("collective-permute", kib, 2, kib, False),  # u32[] contexts and the operand left out

@@ -1,0 +1,85 @@
+"""A rollout's schedule and time from its response lengths: the continuous and static engines on schedules computed
+by hand, the static engine's own slot-step count, and the real continuous engine's chunks, slot-steps, tokens and
+cache lengths on a tiny model whose lengths are forced by per-request budgets."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_batch.predict import engine_time
+from jaxrl_batch.predict.engine_time import Segment
+from jaxrl_batch.sampling import EngineSettings, Strategy, continuous, generate_continuous, static_stats
+from tests.helpers import one_device_model, tiny_config
+
+V, PAD, N, P = 24, 0, 6, 2  # prompts of P = 2 slots: cache buckets (4, 7) (`cache_buckets(2, 6, "xla")`)
+
+
+def test_continuous_schedule_computed_by_hand():
+  # 2 slots, chunks of 2, lengths 5, 2, 2, 3 (decode steps 4, 1, 1, 2: the first token comes from the prefill).
+  # Chunk 1: requests 0, 1 take the slots; 2 steps (request 1 ends after one, its slot idles to the chunk's end);
+  #   the longest holds 1 token, by the chunk's end 1 + 2 - 1 = 2 fed: slot 2 + 2 = 4 fits bucket 4.
+  # Chunk 2: request 2 takes slot 1; request 0 (3 tokens) needs 2 + 3 + 1 = 6 slots: bucket 7; both end.
+  # Chunk 3: request 3 takes slot 0 (free slots fill in order); 2 steps, bucket 4 again (the cache shrinks).
+  got = engine_time.continuous([5, 2, 2, 3], slots=2, chunk=2, max_new_tokens=N, prompt_len=P, group_size=2)
+  assert got.segments == (Segment(steps=2, rows=2, live=2, cache_length=4, admitted=2),
+                          Segment(steps=2, rows=2, live=2, cache_length=7, admitted=1),
+                          Segment(steps=2, rows=2, live=1, cache_length=4, admitted=1))
+  assert (got.chunks, got.decode_steps, got.slot_steps, got.decoded, got.prefills) == (3, 6, 12, 8, (2,))
+  time = got.time(lambda rows, length: 1e-3 * rows * length, lambda prompts: 0.5 * prompts)
+  assert time.decode_s == pytest.approx(1e-3 * (2 * 2 * 4 + 2 * 2 * 7 + 2 * 2 * 4)) and time.prefill_s == 1.0
+  assert time.seconds == pytest.approx(1.060)
+
+
+def test_a_request_of_one_token_takes_a_slot_for_a_chunk_of_no_steps():
+  got = engine_time.continuous([1, 1, 3], slots=2, chunk=4, max_new_tokens=N, prompt_len=P)
+  assert [(s.steps, s.live, s.admitted) for s in got.segments] == [(0, 0, 2), (2, 1, 1)]
+
+
+def test_static_schedule_computed_by_hand_and_its_slot_steps_as_the_engine_counts_them():
+  # One block of 4 rows decodes to its longest (5 tokens: 4 steps): steps 1, 2 feed slots 2, 3 (bucket 4), steps
+  # 3, 4 slots 4, 5 (bucket 7), where only the row of 5 tokens still decodes.
+  got = engine_time.static([5, 2, 2, 3], max_new_tokens=N, prompt_len=P, group_size=2)
+  assert got.segments == (Segment(2, 4, 4, 4, 4), Segment(2, 4, 1, 7, 0))
+  assert (got.chunks, got.decode_steps, got.decoded, got.prefills) == (0, 4, 8, (2,))
+  blocks = engine_time.static([5, 2, 2, 3], max_new_tokens=N, prompt_len=P, slots=2, group_size=2)
+  assert blocks.segments == (Segment(2, 2, 2, 4, 2), Segment(2, 2, 1, 7, 0), Segment(2, 2, 2, 4, 2))
+  assert blocks.prefills == (1, 1)
+  lengths = np.random.default_rng(0).integers(1, N + 1, 24)
+  for block in (4, 8, 24):
+    assert engine_time.static(lengths, max_new_tokens=N, prompt_len=P, slots=block).slot_steps == \
+        static_stats(lengths, block).slot_steps
+
+
+def test_lengths_outside_the_budget_are_refused():
+  with pytest.raises(ValueError, match="response lengths"):
+    engine_time.continuous([0, 3], slots=2, chunk=2, max_new_tokens=N, prompt_len=P)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return one_device_model(tiny_config(vocab_size=V), seed=3)
+
+
+@pytest.mark.parametrize("slots,chunk", [(3, 2), (2, 4)])
+def test_continuous_schedule_equals_the_real_engines_figures(tiny, monkeypatch, slots, chunk):
+  n = 12  # buckets (4, 8, 13)
+  rng = np.random.default_rng(slots)
+  budget = rng.integers(1, n + 1, 8)
+  prompt = jnp.asarray(np.repeat(rng.integers(3, V, (4, P)), 2, axis=0), jnp.int32)
+  lengths_chunks = []
+  original = continuous._chunk  # pylint: disable=protected-access
+
+  def spy(graphdef, params, state, *args, **kwargs):  # the cache each chunk's decode steps read
+    lengths_chunks.append(state.cache.length)
+    return original(graphdef, params, state, *args, **kwargs)
+
+  monkeypatch.setattr(continuous, "_chunk", spy)
+  engine = EngineSettings(engine="continuous", chunk=chunk, attention_backend="xla")
+  rollout, stats = generate_continuous(*tiny, prompt, jnp.ones_like(prompt, bool), jax.random.key(0),
+                                       max_new_tokens=n, eos_id=V, pad_id=PAD, sampling=Strategy(temperature=1.0),
+                                       engine=engine, group_size=2, slots=slots, budget_B=jnp.asarray(budget))
+  np.testing.assert_array_equal(rollout.lengths_B, budget)  # EOS out of the vocabulary: each ends at its budget
+  got = engine_time.continuous(budget, slots=slots, chunk=chunk, max_new_tokens=n, prompt_len=P, group_size=2)
+  assert (got.chunks, got.slot_steps, got.decoded) == (stats.chunks, stats.slot_steps, stats.decoded)
+  assert [s.cache_length for s in got.segments] == lengths_chunks
+  assert len(set(lengths_chunks)) > 1  # the cache grew or shrank between chunks
