@@ -142,16 +142,10 @@ def test_resolve_and_config():
 
 
 @pytest.fixture(scope="module")
-def v5e_mesh():
+def v5e_mesh(compile_only_tpu):
   """A (data 1, fsdp 1, expert 1, tensor 4) mesh over libtpu's compile-only v5e:2x2 devices; skips where libtpu
   cannot load."""
-  pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'jax[tpu]')")
-  from jaxrl_batch.runtime import topologies
-  try:
-    devices = topologies.compile_only("v5e:2x2").devices
-  except Exception as e:  # noqa: BLE001 -- any failure to load libtpu is a reason to skip, not a test failure
-    pytest.skip(f"libtpu cannot load a compile-only v5e:2x2 here: {e}")
-  return sharding.make_mesh(data=1, fsdp=1, tensor=4, devices=devices)
+  return sharding.make_mesh(data=1, fsdp=1, tensor=4, devices=compile_only_tpu("v5e:2x2").devices)
 
 
 @pytest.mark.slow
