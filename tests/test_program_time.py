@@ -24,7 +24,7 @@ HLO = """HloModule m, replica_count=1, num_partitions=8
 
 %inner (p: f32[256]) -> f32[256] {
   %p = f32[256]{0} parameter(0)
-  ROOT %ar.loop = f32[256]{0:T(256)} all-reduce(%p), channel_id=7, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  ROOT %ar.loop = f32[256]{0:T(256)} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
 }
 
 %body (t: (s32[], f32[256])) -> (s32[], f32[256]) {
@@ -43,15 +43,15 @@ HLO = """HloModule m, replica_count=1, num_partitions=8
 ENTRY %main (a: f32[256], b: bf16[64,8]) -> f32[256] {
   %a = f32[256]{0} parameter(0)
   %b = bf16[64,8]{1,0} parameter(1)
-  %ar = (f32[256]{0}, bf16[64,8]{1,0:T(8,128)(2,1)}) all-reduce(%a, %b), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
-  %ags = (f32[32]{0:T(256)S(1)}, f32[256]{0}) all-gather-start(%a), channel_id=2, replica_groups=mesh['x'=2,'y'=4] {'x','y'}, dimensions={0}
+  %ar = (f32[256]{0}, bf16[64,8]{1,0:T(8,128)(2,1)}) all-reduce(%a, %b), replica_groups=[4,2]<=[8], to_apply=%add
+  %ags = (f32[32]{0:S(1)}, f32[256]{0}) all-gather-start(%a), replica_groups=mesh['x'=2,'y'=4] {'x','y'}, dimensions={0}
   %agd = f32[256]{0} all-gather-done(%ags)
-  %rs = f32[32]{0} reduce-scatter(%a), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
-  %ars = f32[256]{0} all-reduce-start(%a), channel_id=4, replica_groups={}, to_apply=%add
+  %rs = f32[32]{0} reduce-scatter(%a), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  %ars = f32[256]{0} all-reduce-start(%a), replica_groups={}, to_apply=%add
   %ard = f32[256]{0} all-reduce-done(%ars)
-  %cps = (f32[256]{0}, f32[256]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%a), channel_id=5, source_target_pairs={{0,1},{1,0}}
+  %cps = (f32[256]{0}, f32[256]{0}, u32[]{:S(2)}, u32[]) collective-permute-start(%a), source_target_pairs={{0,1},{1,0}}
   %cpd = f32[256]{0} collective-permute-done(%cps)
-  %a2a = f32[256]{0} all-to-all(%a), channel_id=6, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  %a2a = f32[256]{0} all-to-all(%a), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
   %w = (s32[], f32[256]) while(%t0), condition=%cond, body=%body
   ROOT %r = f32[256]{0} add(%agd, %ard)
 }

@@ -60,20 +60,26 @@ class Collective:
   in_loop: bool
 
 
-def _array_bytes(type_text: str) -> list[tuple[str, int]]:
-  """(dtype, bytes) of each array of an HLO type (a tuple's in order)."""
-  out = []
-  for dtype, dims in _ARRAY.findall(type_text):
-    elements = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d)
-    out.append((dtype, elements * _BITS[dtype] // 8))
-  return out
+def _array_bytes(type_text: str) -> list[int]:
+  """Bytes of each array of an HLO type (a tuple's in order; a dynamic dimension `<=n` at its bound n)."""
+  return [math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) * _BITS[dtype] // 8
+          for dtype, dims in _ARRAY.findall(type_text)]
 
 
 def _all_devices(hlo_text: str) -> int:
-  """Chips of a replica group that names none: every partition x replica of the module."""
-  header = hlo_text[:hlo_text.find("\n")]
-  count = lambda key: int(m.group(1)) if (m := re.search(rf"\b{key}=(\d+)", header)) else 1
-  return count("num_partitions") * count("replica_count")
+  """Chips of a replica group that names none: every partition x replica of the module (its header line)."""
+  header, chips = hlo_text.split("\n", 1)[0], 1
+  for key in ("num_partitions", "replica_count"):
+    if (m := re.search(rf"\b{key}=(\d+)", header)):
+      chips *= int(m.group(1))
+  return chips
+
+
+def _computation(line: str) -> str | None:
+  """The name a computation's header line opens (`%name (params) -> type {`, ENTRY first), else None."""
+  if line and not line[0].isspace() and line.rstrip().endswith("{"):
+    return line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
+  return None
 
 
 def _group_size(line: str, hlo_text: str) -> int:
@@ -95,9 +101,8 @@ def _loop_computations(hlo_text: str) -> set[str]:
   """Names of the computations run inside a while loop: bodies and conditions, and what they call."""
   calls, current, roots = {}, None, []
   for line in hlo_text.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      current = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
-      calls[current] = set()
+    if (name := _computation(line)):
+      current, calls[name] = name, set()
     elif current is not None and line[:1].isspace():
       called = _CALLED.findall(line) + [b for m in _BRANCHES.findall(line) for b in m.split(",")]
       calls[current].update(name.strip().lstrip("%") for name in called)
@@ -116,18 +121,16 @@ def collectives(hlo_text: str) -> list[Collective]:
   """The collectives of an optimized HLO module's text, in order (the -done halves of async pairs skipped)."""
   loops, current, out = _loop_computations(hlo_text), None, []
   for line in hlo_text.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      current = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
-      continue
+    current = _computation(line) or current
     m = _INSTRUCTION.match(line)
     if not m or m.group(2).removesuffix("-start") not in _OPS:
       continue
     op, start = m.group(2).removesuffix("-start"), m.group(2).endswith("-start")
-    arrays = _array_bytes(m.group(1))
     if start and op != "all-reduce":  # (operands, results[, u32[] contexts]): the results
-      arrays = [a for a in arrays if a != ("u32", 4)]
-      arrays = arrays[len(arrays) // 2:]
-    size = sum(b for _, b in arrays)
+      sizes = _array_bytes(re.sub(r"\bu32\[\]", "", m.group(1)))
+      size = sum(sizes[len(sizes) // 2:])
+    else:
+      size = sum(_array_bytes(m.group(1)))
     if op == "collective-permute":
       out.append(Collective(op, size, 2, float(size), current in loops))
       continue
