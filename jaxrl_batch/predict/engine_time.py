@@ -1,8 +1,8 @@
 """A step's rollout time from its response lengths, through the engines' own scheduling.
 
 Why: decode steps, not tokens, cost time, and how many a step runs depends on the engine: the static engine runs
-each block of rows to its longest; the continuous engine refills free slots between chunks, drives its real host
-`scheduler.Scheduler` here with requests whose lengths are given. Either way each decode step runs every slot of
+each block of rows to its longest; the continuous engine refills free slots between chunks (its real host
+`scheduler.Scheduler` is driven here, with requests whose lengths are given). Either way each decode step runs every slot of
 the compiled step (an ended or free slot still computes), so a step costs `decode_seconds(rows, cache_length)`
 with rows = the program's rows, and each prefill program `prefill_seconds(prompts)` (distinct prompts: a group's
 samples share one). A partial rollout's engine call (`rollout.partial`) is `continuous` with the carried
