@@ -52,6 +52,7 @@ ENTRY %main (a: f32[256], b: bf16[64,8]) -> f32[256] {
   %cps = (f32[256]{0}, f32[256]{0}, u32[]{:S(2)}, u32[]) collective-permute-start(%a), source_target_pairs={{0,1},{1,0}}
   %cpd = f32[256]{0} collective-permute-done(%cps)
   %a2a = f32[256]{0} all-to-all(%a), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  %a2m = f32[256]{0} all-to-all(%a), replica_groups=mesh['x'=2,'y'=4], device_ids=([4,2]T(1,0)) {'x'}, dimensions={0}
   %w = (s32[], f32[256]) while(%t0), condition=%cond, body=%body
   ROOT %r = f32[256]{0} add(%agd, %ard)
 }
@@ -68,6 +69,7 @@ def test_collectives_of_hand_written_hlo_with_each_group_form_and_ring_cost():
       Collective("all-reduce", kib, 8, 2 * 7 / 8 * kib, False),  # {}: all 8 partitions
       Collective("collective-permute", kib, 2, kib, False),  # u32[] contexts and the operand left out
       Collective("all-to-all", kib, 4, 3 / 4 * kib, False),
+      Collective("all-to-all", kib, 2, 1 / 2 * kib, False),  # the mesh form with device_ids
   ]
   assert collectives(HLO) == expected
 

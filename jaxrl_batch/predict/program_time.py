@@ -84,12 +84,12 @@ def _computation(line: str) -> str | None:
 
 def _group_size(line: str, hlo_text: str) -> int:
   """n, the chips of each replica group: `{{0,1,2,3}}`, the iota form `[groups,n]<=[...]`, or the mesh form
-  `mesh['a'=2,'b'=4] {'b'}`; no groups (or `{}`) means every chip."""
+  `mesh['a'=2,'b'=4] {'b'}` (a `device_ids=(...)` between them); no groups (or `{}`) means every chip."""
   if (m := re.search(r"replica_groups=\{\{([\d,\s]*)\}", line)):
     return len([x for x in m.group(1).split(",") if x.strip()])
   if (m := re.search(r"replica_groups=\[([\d,]+)\]<=", line)):
     return int(m.group(1).split(",")[-1])
-  if (m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)):
+  if (m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}", line)):
     sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
     return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", m.group(2)))
   if "replica_groups=" in line and not re.search(r"replica_groups=\{\}", line):

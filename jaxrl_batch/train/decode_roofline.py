@@ -115,19 +115,15 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
     if isinstance(inputs, str):
       points.append(Point(concurrency, 0, None, None, None, 0.0, 0.0, 0.0, 0, error=inputs))
       continue
-    state, call = inputs["state"], inputs["call"]
+    state = inputs["state"]
     slots = state.token_S.shape[0]
     length = state.cache.length
     weights, cache_read = roofline_bytes(step_, slots, length)
-    row = lambda dtype: jax.ShapeDtypeStruct(state.token_S.shape, dtype, sharding=state.token_S.sharding)
     point = Point(slots, length, None, None, None, weights, cache_read,
                   (weights + cache_read) / topo.chip.hbm_bytes_per_s,
                   aot._per_chip_bytes(state.cache))  # pylint: disable=protected-access
     try:
-      with jax.set_mesh(exp.mesh):
-        compiled = step.lower(step_.models.graphdef, step_.sampler_params, state, row(jnp.int32), inputs["key"],
-                              p=inputs["prefix"].valid_QxP.shape[1], sampling=call.sampling,
-                              backend=call.engine.attention_backend).compile()
+      compiled = compile_step(step_, inputs)
       cost = aot._cost(compiled)  # pylint: disable=protected-access
       point.bytes_accessed, point.optimal_seconds, point.flops = cost.bytes_accessed, cost.optimal_seconds, cost.flops
       point.hbm_bytes = hbm_bytes(compiled.as_text())
@@ -139,6 +135,17 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
               model_params=ModelConfig.from_config(config.model).num_params(),
               attention_backend=resolved_backend_for(mesh, config.sampling.attention_backend))
   return chip, points
+
+
+def compile_step(step_: aot._Step, inputs: dict):
+  """`step` compiled for the engine's slots as `aot._engine_inputs` lays them out (every slot live, the cache at its
+  longest bucket)."""
+  state, call = inputs["state"], inputs["call"]
+  uid_S = jax.ShapeDtypeStruct(state.token_S.shape, jnp.int32, sharding=state.token_S.sharding)
+  with jax.set_mesh(step_.exp.mesh):
+    return step.lower(step_.models.graphdef, step_.sampler_params, state, uid_S, inputs["key"],
+                      p=inputs["prefix"].valid_QxP.shape[1], sampling=call.sampling,
+                      backend=call.engine.attention_backend).compile()
 
 
 def resolved_backend_for(mesh, backend: str) -> str:

@@ -1,0 +1,104 @@
+"""One RL step of a family member on a topology one does not have, predicted from the programs `train.aot` compiles.
+
+A step's time, as the analysis's R counts it, is its rollout, its scoring and reference forwards, its update and
+the host's reward scoring (not predicted: given, 0 by default). Each compiled program is timed by its roofline at
+the chip's rates (`program_time`). The rollout follows the engine's own schedule of the step's requests at the given
+response lengths (`engine_time`); each of its decode steps is timed as the compiled step of the engine's rows with
+every slot live at the cache's longest bucket (`train.decode_roofline.step`: an upper bound for the shorter buckets,
+whose keys and values it does not read), each prefill as the compiled prefill of the call's prompts. The static
+engine's blocks are timed by the same step at the block's rows. The compiler counts a loop's body once, so the
+update (a loop over micro-batches) counts num_micro x updates_per_step times its program (the optimizer's step is
+overcounted with it) and the scoring forwards score_num_micro times theirs.
+"""
+import dataclasses
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxrl_batch.predict import engine_time
+from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
+from jaxrl_batch.runtime import sharding, topologies
+from jaxrl_batch.train import aot, decode_roofline
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """A member's predicted step: its rollout's schedule and seconds, the other phases' seconds, and each compiled
+  program's roofline (`programs`: decode, prefill, score, reference, update; those the step runs)."""
+  batch: int
+  schedule: engine_time.Schedule
+  rollout: engine_time.RolloutTime
+  score_s: float
+  reference_s: float
+  update_s: float
+  reward_s: float
+  programs: dict[str, ProgramTime]
+
+  @property
+  def seconds(self) -> float:
+    return self.rollout.seconds + self.score_s + self.reference_s + self.update_s + self.reward_s
+
+  @property
+  def samples_per_s(self) -> float:
+    """R: rollouts trained on per second."""
+    return self.batch / self.seconds
+
+
+def _compiled(name: str, step: aot._Step):  # pylint: disable=protected-access
+  """Program `name` of the step (`aot.BUILDERS`) compiled, or None where the step does not run it."""
+  built = aot.BUILDERS[name](step)
+  if isinstance(built, str):
+    return None
+  fn, args, kwargs, _, _ = built
+  with jax.set_mesh(step.exp.mesh):
+    return fn.lower(*args, **kwargs).compile()
+
+
+def _engine_step(config: ml_collections.ConfigDict, devices, prompt_len: int, response_len: int, slots: int):
+  """The step (`aot._Step`) of `config` with its rollout on the continuous engine's `slots` slots per data-parallel
+  shard, and that engine's inputs: what the decode step and the prefill compile against."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.sampling.engine, config.sampling.slots = "continuous", slots
+  step = aot._Step.build(aot._experiment(config, devices, prompt_len, response_len))  # pylint: disable=protected-access
+  inputs = aot._engine_inputs(step, False)  # pylint: disable=protected-access
+  if isinstance(inputs, str):
+    raise ValueError(f"The decode step of {slots} slots per shard cannot be laid out: {inputs}")
+  return step, inputs
+
+
+def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prompt_len: int, response_len: int,
+            num_slices: int = 1, rates: Rates | None = None, reward_s: float = 0.0) -> StepTime:
+  """The step of the member `config` describes on `num_slices` slices of `topology` ('v5p:4x4x2'), its B requests'
+  response lengths `lengths_B` (tokens, EOS included; B of them), prompts of `prompt_len` tokens and the response
+  budget `response_len`; timed at `rates` (default: the chip's published figures)."""
+  topo = topologies.compile_only(topology, num_slices)
+  rates = rates or Rates.from_chip(topo.chip)
+  exp = aot._experiment(config, topo.devices, prompt_len, response_len)  # pylint: disable=protected-access
+  m, engine = exp.member, exp.engine
+  lengths_B = np.asarray(lengths_B)
+  if len(lengths_B) != m.batch_size:
+    raise ValueError(f"{len(lengths_B)} response lengths for a member of batch {m.batch_size}: give one a rollout.")
+  dp = sharding.data_parallel_size(exp.mesh)
+  block = engine.slots * dp or m.batch_size  # rows decoding at once on the slice
+  step, inputs = _engine_step(config, topo.devices, exp.prompt_len, exp.response_len, block // dp)
+  backend = decode_roofline.resolved_backend_for(exp.mesh, engine.attention_backend)
+  shape = dict(max_new_tokens=exp.response_len, prompt_len=exp.prompt_len, group_size=m.group_size, backend=backend)
+  if engine.engine == "continuous":
+    schedule = engine_time.continuous(lengths_B, slots=block, chunk=engine.chunk, **shape)
+  else:
+    schedule = engine_time.static(lengths_B, slots=block, **shape)
+  programs = dict(decode=program_time(decode_roofline.compile_step(step, inputs), rates),
+                  prefill=program_time(_compiled("prefill", step), rates))
+  prompts = inputs["prefix"].valid_QxP.shape[0]  # the compiled prefill's prompt rows
+  rollout = schedule.time(lambda rows, length: programs["decode"].seconds,
+                          lambda q: programs["prefill"].seconds * -(-q // prompts))
+  learner = aot._Step.build(exp)  # pylint: disable=protected-access
+  for name in ("score", "reference", "update"):
+    compiled = _compiled(name, learner)
+    if compiled is not None:
+      programs[name] = program_time(compiled, rates)
+  seconds = lambda name, times: programs[name].seconds * times if name in programs else 0.0
+  return StepTime(m.batch_size, schedule, rollout, seconds("score", m.score_num_micro),
+                  seconds("reference", m.score_num_micro), seconds("update", m.num_micro * m.updates_per_step),
+                  reward_s, programs)
