@@ -11,14 +11,24 @@ analysis measures it (--repeats rounds of all batches, pooled, in b<B>.r<k>/ aft
 B / B_noise) is fitted to the rule's synchronous members in WORKDIR/analysis.json (only those at --learn_batches,
 if given, so that the others test the prediction). Writes WORKDIR/plan.json and WORKDIR/plan.md (predicted vs
 measured T and its error).
+
+With --topology (a TPU slice one need not have, e.g. v5p:4x4x2), R is predicted instead of measured: each batch's
+member has its step's programs compiled for that slice and timed at the chip's peak rates, its rollout through the
+engine's schedule of responses drawn from --lengths (`predict.step_time`); nothing trains:
+
+  python -m launch.plan_batch --config=configs/grpo_gsm8k_qwen.py:model=qwen3-30b-a3b --workdir=/tmp/study \
+      --topology=v5p:4x4x2 --batches=512,1024,2048 --prompt_tokens=256 --response_tokens=8192 \
+      --lengths=lognormal:2048:0.8
 """
 import json
+import logging
 import os
 
 from absl import app, flags
 
 from jaxrl_batch.analysis import planner
-from jaxrl_batch.study.runner import throughput_sweep
+from jaxrl_batch.predict import lengths, step_time
+from jaxrl_batch.study.runner import load_config_module, member_config, throughput_sweep
 from launch import list_flags, logs
 
 flags.DEFINE_string("config", None, "Config file of the study, optionally with base args.")
@@ -34,6 +44,13 @@ flags.DEFINE_integer("repeats", 1, "Rounds of the sweep (each batch once per rou
 flags.DEFINE_list("learn_batches", [], "Batches whose members the S(B) fit uses (default: every member that reached "
                   "the target).")
 flags.DEFINE_multi_string("set", [], "key=value override applied to every swept run (as in launch.study).")
+flags.DEFINE_string("topology", None, "Predict R on this TPU topology (v5p:4x4x2, v5e:2x2, ...) from the compiled "
+                    "programs instead of measuring it here.")
+flags.DEFINE_integer("num_slices", 1, "With --topology: slices of it.")
+flags.DEFINE_string("lengths", "lognormal:512:1.0", f"With --topology: the response lengths' distribution "
+                    f"({lengths.FORMS}), in tokens, clipped to --response_tokens.")
+flags.DEFINE_integer("prompt_tokens", 256, "With --topology: prompt length in tokens.", lower_bound=1)
+flags.DEFINE_integer("response_tokens", 1024, "With --topology: the response budget in tokens.", lower_bound=1)
 list_flags.integers("batches", 1, "rollouts per step", "32,64,128")
 list_flags.integers("learn_batches", 1, "rollouts per step of analysed members", "64,256")
 list_flags.overrides("set")
@@ -52,12 +69,24 @@ def main(argv):
     analysis = json.load(f)
   measured = {m["batch"]: (m["samples_to_target"], m["time_to_target_s"])
               for m in analysis["members"] if m["rule"] == FLAGS.rule and not m.get("staleness")}
-  swept = throughput_sweep(FLAGS.config, os.path.join(FLAGS.workdir, "throughput"),
-                           [int(b) for b in FLAGS.batches], FLAGS.rule, FLAGS.steps, FLAGS.set,
-                           warmup=FLAGS.warmup, min_samples=FLAGS.min_samples, repeats=FLAGS.repeats)
+  batches = [int(b) for b in FLAGS.batches]
   learn = [int(b) for b in FLAGS.learn_batches] or None
-  sweep = dict(steps=FLAGS.steps, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples, repeats=FLAGS.repeats)
-  result = dict(planner.plan(swept, measured, learn), rule=FLAGS.rule, target=analysis["target"], sweep=sweep)
+  if FLAGS.topology:
+    steps = _predicted_steps(batches)
+    swept = {b: step.samples_per_s for b, step in steps.items()}
+    sweep = dict(topology=FLAGS.topology, num_slices=FLAGS.num_slices, lengths=FLAGS.lengths,
+                 prompt_tokens=FLAGS.prompt_tokens, response_tokens=FLAGS.response_tokens)
+  else:
+    steps = {}
+    swept = throughput_sweep(FLAGS.config, os.path.join(FLAGS.workdir, "throughput"), batches, FLAGS.rule,
+                             FLAGS.steps, FLAGS.set, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples,
+                             repeats=FLAGS.repeats)
+    sweep = dict(steps=FLAGS.steps, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples, repeats=FLAGS.repeats)
+  result = dict(planner.plan(swept, measured, learn, predicted=bool(steps)), rule=FLAGS.rule,
+                target=analysis["target"], sweep=sweep)
+  for row in result["rows"]:
+    if row["batch"] in steps:
+      row["step"] = _step_json(steps[row["batch"]])
   with open(os.path.join(FLAGS.workdir, "plan.json"), "w") as f:
     json.dump(result, f, indent=2)
   table = planner.render(result)
@@ -65,6 +94,31 @@ def main(argv):
     f.write(table)
   print(table, end="")
   print(f"Wrote {os.path.join(FLAGS.workdir, 'plan.json')} and plan.md.")
+
+
+def _predicted_steps(batches: list[int]) -> dict[int, step_time.StepTime]:
+  """Each batch's member (as the sweep builds it) predicted on --topology with lengths drawn from --lengths."""
+  path, _, base_arg = FLAGS.config.partition(":")
+  module = load_config_module(path)
+  steps = {}
+  for batch in batches:
+    config = member_config(module, base_arg, dict(batch=batch, lr_rule=FLAGS.rule, seed=0), FLAGS.set)
+    drawn = lengths.response_lengths(FLAGS.lengths, batch, FLAGS.response_tokens)
+    steps[batch] = step_time.predict(config, FLAGS.topology, drawn, prompt_len=FLAGS.prompt_tokens,
+                                     response_len=FLAGS.response_tokens, num_slices=FLAGS.num_slices)
+    logging.info("Batch %d: %.4f s a step predicted on %s, %.1f samples/s.", batch, steps[batch].seconds,
+                 FLAGS.topology, steps[batch].samples_per_s)
+  return steps
+
+
+def _step_json(step: step_time.StepTime) -> dict:
+  """A predicted step's parts (plan.json rows' `step`)."""
+  return dict(seconds=step.seconds, rollout_s=step.rollout.seconds, decode_s=step.rollout.decode_s,
+              prefill_s=step.rollout.prefill_s, score_s=step.score_s, reference_s=step.reference_s,
+              update_s=step.update_s, decode_steps=step.schedule.decode_steps,
+              decode_step_s=step.programs["decode"].seconds,
+              mean_response_tokens=step.schedule.decoded / step.batch + 1)
+
 
 if __name__ == "__main__":
   app.run(main)

@@ -35,8 +35,14 @@ def test_plan_predicts_time_and_recommends_the_minimum():
   assert t[64] == pytest.approx(12.5) and t[256] == pytest.approx(2000 / 300)
   assert result["recommended_batch"] == 256
   assert {r["batch"]: r["measured_time_to_target_s"] for r in result["rows"]}[64] == 13.0
+  # The decision rule's factors against B0 = 64: R 300 / 100, S 2000 / 1250; 256 wins as 3.0 > 1.6.
+  row = {r["batch"]: r for r in result["rows"]}[256]
+  assert row["throughput_gain"] == pytest.approx(3.0) and row["samples_penalty"] == pytest.approx(1.6)
+  assert not any(r["predicted"] for r in result["rows"])
+  assert all(r["predicted"] == r["swept"] for r in planner.plan(swept, measured, predicted=True)["rows"])
   table = planner.render(dict(result, rule="sqrt", target=0.9, sweep=SWEEP))
-  assert "| 64 | 100.0 | 1250 | 12.50 | 13.00 | -3.8% | yes |" in table and "Recommended batch: 256" in table
+  assert "| 64 | 100.0 | 1250 | 12.50 | 13.00 | -3.8% | yes | 1.00x | 1.00x |" in table
+  assert "| 256 | 300.0 | 2000 | 6.67 | - | - | no | 3.00x | 1.60x |" in table and "Recommended batch: 256" in table
   assert ">= 3 timed steps and >= 1024 samples per batch, after the compiling step and 5 warm-up steps." in table
   assert "5 warm-up steps; 2 rounds pooled." in planner.render(dict(result, rule="sqrt", target=0.9,
                                                                    sweep=dict(SWEEP, repeats=2)))

@@ -1,12 +1,19 @@
 """`predict.step_time`: a member's step predicted from its programs compiled for a TPU slice (libtpu's compile-only
 devices): the parts add up as the engine's schedule and the loop counts say, and decode being bandwidth-bound at low
-concurrency, a 4x larger batch is predicted to train more rollouts per second."""
+concurrency, a 4x larger batch is predicted to train more rollouts per second; `launch.plan_batch --topology`
+plans with those predictions."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from configs import grpo_gsm8k_qwen
-from jaxrl_batch.predict import engine_time, step_time
+from jaxrl_batch.predict import engine_time, lengths, step_time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT, RESPONSE = 32, 32
 
 
@@ -51,3 +58,42 @@ def test_a_larger_batch_decodes_more_rows_a_step_at_nearly_the_same_cost(compile
 def test_lengths_must_be_one_a_rollout():
   with pytest.raises(ValueError, match="one a rollout"):
     step_time.predict(_config(16), "v5e:2x2", _lengths(8), prompt_len=PROMPT, response_len=RESPONSE)
+
+
+@pytest.mark.slow
+def test_plan_batch_predicts_r_on_a_topology_without_training(tmp_path, compile_only_tpu):
+  """`launch.plan_batch --topology`: rows marked predicted, R = B / the predicted step, the decision rule's factors,
+  the S(B) fit from analysis.json as without it; no run directory is made."""
+  compile_only_tpu("v5e:2x2")
+  analysis = dict(target=0.5, members=[dict(batch=b, rule="sqrt", samples_to_target=s, time_to_target_s=None)
+                                       for b, s in ((16, 640), (32, 768))])
+  (tmp_path / "analysis.json").write_text(json.dumps(analysis))
+  cmd = [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
+         f"--workdir={tmp_path}", "--topology=v5e:2x2", "--batches=16,32", "--prompt_tokens=32",
+         "--response_tokens=32", "--lengths=lognormal:12:0.7"]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  plan = json.loads((tmp_path / "plan.json").read_text())
+  assert plan["sweep"]["topology"] == "v5e:2x2" and plan["s_min"] == pytest.approx(512)  # S = 512 (1 + B / 64)
+  rows = {r["batch"]: r for r in plan["rows"]}
+  for batch, row in rows.items():
+    assert row["predicted"] and row["throughput_samples_per_s"] == pytest.approx(batch / row["step"]["seconds"])
+    assert row["step"]["decode_steps"] > 0 and row["step"]["update_s"] > 0
+  assert rows[16]["throughput_gain"] == 1.0 and rows[32]["samples_penalty"] == pytest.approx(768 / 640)
+  assert "R(B) predicted for v5e:2x2" in (tmp_path / "plan.md").read_text()
+  assert sorted(os.listdir(tmp_path)) == ["analysis.json", "plan.json", "plan.md"]
+
+
+def test_response_lengths_follow_the_stated_distribution_within_the_budget():
+  drawn = lengths.response_lengths("lognormal:100:0.5", 20_000, 1024, seed=3)
+  assert drawn.dtype == np.int64 and drawn.min() >= 1 and drawn.max() <= 1024
+  assert np.median(drawn) == pytest.approx(100, rel=0.03)
+  assert np.std(np.log(drawn)) == pytest.approx(0.5, rel=0.03)
+  assert (lengths.response_lengths("lognormal:100:0.5", 50, 1024, seed=3) == drawn[:50]).all()  # seeded
+  assert lengths.response_lengths("lognormal:100:3", 20_000, 64).max() == 64  # the tail clipped to the budget
+  uniform = lengths.response_lengths("uniform:10:20", 10_000, 64)
+  assert uniform.min() == 10 and uniform.max() == 20
+  assert (lengths.response_lengths("fixed:7", 5, 64) == 7).all()
+  for bad in ("lognormal:100", "normal:1:2", "fixed:x", "uniform:0:5"):
+    with pytest.raises(ValueError, match="lognormal:MEDIAN:SIGMA"):
+      lengths.response_lengths(bad, 4, 64)

@@ -38,13 +38,16 @@ def interpolate_throughput(batch: float, swept: dict[int, float]) -> float:
 
 
 def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]],
-         learn_batches: list[int] | None = None) -> dict:
-  """Predicted T(B) at every swept batch, and predicted vs measured T where a member was trained.
+         learn_batches: list[int] | None = None, predicted: bool = False) -> dict:
+  """Predicted T(B) at every swept batch, predicted vs measured T where a member was trained, and per batch the
+  decision rule's two factors against the smallest swept batch B0: throughput_gain R(B) / R(B0) and
+  samples_penalty S(B) / S(B0) (a larger batch is faster to target when the gain exceeds the penalty).
 
   Args:
-    swept: {batch: measured samples/s} from the throughput sweep.
+    swept: {batch: samples/s}: measured by the throughput sweep, or `predicted` from compiled programs.
     measured: {batch: (samples_to_target, time_to_target_s)} of the study's members of one rule (None: censored).
     learn_batches: the batches whose members the S(B) fit uses; None: every member that reached the target.
+    predicted: whether `swept` holds predictions (each swept row's `predicted`).
   """
   reached = {b: st[0] for b, st in measured.items() if st[0] is not None}
   if learn_batches is not None:
@@ -54,7 +57,7 @@ def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]
                        f"{sorted(reached)}.")
     reached = {b: reached[b] for b in learn_batches}
   s_min, b_noise = fit_samples_model(list(reached), list(reached.values()))
-  rows = []
+  rows, b0 = [], min(swept)
   for batch in sorted(set(swept) | set(measured)):
     rate = swept[batch] if batch in swept else interpolate_throughput(batch, swept)
     samples = predicted_samples(batch, s_min, b_noise)
@@ -62,7 +65,9 @@ def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]
     rows.append(dict(batch=batch, throughput_samples_per_s=rate, predicted_samples_to_target=samples,
                      predicted_time_to_target_s=predicted_t, measured_time_to_target_s=measured_t,
                      error=None if measured_t is None else predicted_t / measured_t - 1, swept=batch in swept,
-                     in_fit=batch in reached))
+                     in_fit=batch in reached, predicted=predicted and batch in swept,
+                     throughput_gain=rate / swept[b0],
+                     samples_penalty=samples / predicted_samples(b0, s_min, b_noise)))
   best = min((r for r in rows if r["swept"]), key=lambda r: r["predicted_time_to_target_s"])
   trained = [r for r in rows if r["measured_time_to_target_s"] is not None]
   fastest = min(trained, key=lambda r: r["measured_time_to_target_s"])["batch"] if trained else None
@@ -71,21 +76,32 @@ def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]
 
 
 def render(result: dict) -> str:
-  """plan.md: the fit, the sweep's settings, predicted vs measured T per batch, and the recommendation."""
-  sweep = result["sweep"]
+  """plan.md: the fit, where R comes from, predicted vs measured T per batch with the decision rule's factors, and the
+  recommendation."""
   lines = [f"# Batch plan ({result['rule']} rule, target {result['target']})", "",
            f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to target, fitted to the members "
            f"at B = {', '.join(map(str, result['learn_batches']))}.",
-           f"R(B) from >= {sweep['steps'] - 1} timed steps and >= {sweep['min_samples']} samples per batch, after the "
-           f"compiling step and {sweep['warmup']} warm-up steps"
-           + (f"; {sweep['repeats']} rounds pooled." if sweep.get("repeats", 1) > 1 else "."), "",
-           "| batch | R samples/s | S predicted | T predicted s | T measured s | error | fitted |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           _rates_line(result), "",
+           "| batch | R samples/s | S predicted | T predicted s | T measured s | error | fitted | R gain | S penalty |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in result["rows"]:
     measured = "-" if r["measured_time_to_target_s"] is None else f"{r['measured_time_to_target_s']:.2f}"
     error = "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"
     lines.append(f"| {r['batch']} | {r['throughput_samples_per_s']:.1f} | {r['predicted_samples_to_target']:.0f} | "
-                 f"{r['predicted_time_to_target_s']:.2f} | {measured} | {error} | {'yes' if r['in_fit'] else 'no'} |")
+                 f"{r['predicted_time_to_target_s']:.2f} | {measured} | {error} | {'yes' if r['in_fit'] else 'no'} | "
+                 f"{r['throughput_gain']:.2f}x | {r['samples_penalty']:.2f}x |")
   lines += ["", f"Recommended batch: {result['recommended_batch']} (smallest predicted T among swept batches); "
             f"fastest trained member: {result['measured_best_batch'] or '-'}.", ""]
   return "\n".join(lines)
+
+
+def _rates_line(result: dict) -> str:
+  """Where R(B) comes from: the measured sweep's settings, or the prediction's topology and lengths."""
+  sweep = result["sweep"]
+  if "topology" in sweep:
+    return (f"R(B) predicted for {sweep['topology']} ({sweep['num_slices']} slice(s)) from each member's compiled "
+            f"programs at the chip's peak rates, responses {sweep['lengths']} (prompts of {sweep['prompt_tokens']} "
+            f"tokens, up to {sweep['response_tokens']} new), reward scoring not counted.")
+  return (f"R(B) from >= {sweep['steps'] - 1} timed steps and >= {sweep['min_samples']} samples per batch, after the "
+          f"compiling step and {sweep['warmup']} warm-up steps"
+          + (f"; {sweep['repeats']} rounds pooled." if sweep.get("repeats", 1) > 1 else "."))
