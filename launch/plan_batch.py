@@ -47,6 +47,8 @@ flags.DEFINE_multi_string("set", [], "key=value override applied to every swept 
 flags.DEFINE_string("topology", None, "Predict R on this TPU topology (v5p:4x4x2, v5e:2x2, ...) from the compiled "
                     "programs instead of measuring it here.")
 flags.DEFINE_integer("num_slices", 1, "With --topology: slices of it.")
+flags.DEFINE_string("samples_model", None, "S_MIN:B_NOISE: S(B) = S_MIN (1 + B / B_NOISE) samples to target, given "
+                    "instead of fitted to WORKDIR/analysis.json (which is then not read).")
 flags.DEFINE_string("lengths", "lognormal:512:1.0", f"With --topology: the response lengths' distribution "
                     f"({lengths.FORMS}), in tokens, clipped to --response_tokens.")
 flags.DEFINE_integer("prompt_tokens", 256, "With --topology: prompt length in tokens.", lower_bound=1)
@@ -61,12 +63,8 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   logs.setup()
-  path = os.path.join(FLAGS.workdir, "analysis.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} is missing: run `python -m launch.analyze --workdir={FLAGS.workdir} "
-                            "--target=...` first.")
-  with open(path) as f:
-    analysis = json.load(f)
+  samples_model = _samples_model(FLAGS.samples_model) if FLAGS.samples_model else None
+  analysis = dict(target=None, members=[]) if samples_model else _analysis(FLAGS.workdir)
   measured = {m["batch"]: (m["samples_to_target"], m["time_to_target_s"])
               for m in analysis["members"] if m["rule"] == FLAGS.rule and not m.get("staleness")}
   batches = [int(b) for b in FLAGS.batches]
@@ -82,8 +80,8 @@ def main(argv):
                              FLAGS.steps, FLAGS.set, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples,
                              repeats=FLAGS.repeats)
     sweep = dict(steps=FLAGS.steps, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples, repeats=FLAGS.repeats)
-  result = dict(planner.plan(swept, measured, learn, predicted=bool(steps)), rule=FLAGS.rule,
-                target=analysis["target"], sweep=sweep)
+  result = dict(planner.plan(swept, measured, learn, predicted=bool(steps), samples_model=samples_model),
+                rule=FLAGS.rule, target=analysis["target"], sweep=sweep)
   for row in result["rows"]:
     if row["batch"] in steps:
       row["step"] = _step_json(steps[row["batch"]])
@@ -94,6 +92,27 @@ def main(argv):
     f.write(table)
   print(table, end="")
   print(f"Wrote {os.path.join(FLAGS.workdir, 'plan.json')} and plan.md.")
+
+
+def _analysis(workdir: str) -> dict:
+  path = os.path.join(workdir, "analysis.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} is missing: run `python -m launch.analyze --workdir={workdir} --target=...` "
+                            "first, or give S(B) with --samples_model=S_MIN:B_NOISE.")
+  with open(path) as f:
+    return json.load(f)
+
+
+def _samples_model(spec: str) -> tuple[float, float]:
+  """(S_min, B_noise) of --samples_model."""
+  try:
+    s_min, b_noise = (float(x) for x in spec.split(":"))
+  except ValueError:
+    s_min = b_noise = -1.0
+  if s_min <= 0 or b_noise <= 0:
+    raise ValueError(f"--samples_model={spec!r}: give S_MIN:B_NOISE, two positive numbers (samples to target at a "
+                     "small batch, and the batch at which it doubles), e.g. 20000:512.")
+  return s_min, b_noise
 
 
 def _predicted_steps(batches: list[int]) -> dict[int, step_time.StepTime]:

@@ -130,3 +130,16 @@ def test_throughput_sweep_times_after_the_warmup_and_reruns_shorter_runs(tmp_pat
   # total samples over total seconds: 2 steps' samples in 1 + 3 s.
   assert sweep(**SWEEP, repeats=2) == {16: pytest.approx(8.0), 128: pytest.approx(64.0)}
   assert _FakeTrainer.runs[4:] == [("b16.r1", 70 * 16), ("b128.r1", 14 * 128)]
+
+
+def test_a_given_samples_model_plans_without_a_study():
+  """S(B) given as (S_min, B_noise), e.g. for hardware and batches no study ran: nothing is fitted."""
+  swept = {64: 100.0, 256: 300.0, 1024: 440.0}
+  result = planner.plan(swept, {}, samples_model=(1000.0, 256.0))
+  assert (result["s_min"], result["b_noise"], result["learn_batches"]) == (1000.0, 256.0, [])
+  t = {r["batch"]: r["predicted_time_to_target_s"] for r in result["rows"]}
+  assert t == {64: pytest.approx(12.5), 256: pytest.approx(2000 / 300), 1024: pytest.approx(5000 / 440)}
+  assert result["recommended_batch"] == 256 and not any(r["in_fit"] for r in result["rows"])
+  sweep = dict(topology="v5p:4x4x2", num_slices=1, lengths="fixed:100", prompt_tokens=8, response_tokens=128)
+  table = planner.render(dict(result, rule="sqrt", target=None, sweep=sweep))
+  assert "samples to target, given." in table and "R(B) predicted for v5p:4x4x2 (1 slice(s))" in table

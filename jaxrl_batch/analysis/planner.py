@@ -38,7 +38,8 @@ def interpolate_throughput(batch: float, swept: dict[int, float]) -> float:
 
 
 def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]],
-         learn_batches: list[int] | None = None, predicted: bool = False) -> dict:
+         learn_batches: list[int] | None = None, predicted: bool = False,
+         samples_model: tuple[float, float] | None = None) -> dict:
   """Predicted T(B) at every swept batch, predicted vs measured T where a member was trained, and per batch the
   decision rule's two factors against the smallest swept batch B0: throughput_gain R(B) / R(B0) and
   samples_penalty S(B) / S(B0) (a larger batch is faster to target when the gain exceeds the penalty).
@@ -48,7 +49,10 @@ def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]
     measured: {batch: (samples_to_target, time_to_target_s)} of the study's members of one rule (None: censored).
     learn_batches: the batches whose members the S(B) fit uses; None: every member that reached the target.
     predicted: whether `swept` holds predictions (each swept row's `predicted`).
+    samples_model: (S_min, B_noise) given instead of fitted (then `measured` is not fitted: give it empty).
   """
+  if samples_model is not None:
+    return _rows(swept, measured, {}, *samples_model, predicted)
   reached = {b: st[0] for b, st in measured.items() if st[0] is not None}
   if learn_batches is not None:
     missing = sorted(set(learn_batches) - set(reached))
@@ -56,7 +60,12 @@ def plan(swept: dict[int, float], measured: dict[int, tuple[float, float | None]
       raise ValueError(f"Learn batches {missing} have no member that reached the target; members that did: "
                        f"{sorted(reached)}.")
     reached = {b: reached[b] for b in learn_batches}
-  s_min, b_noise = fit_samples_model(list(reached), list(reached.values()))
+  return _rows(swept, measured, reached, *fit_samples_model(list(reached), list(reached.values())), predicted)
+
+
+def _rows(swept: dict[int, float], measured: dict, reached: dict, s_min: float, b_noise: float,
+          predicted: bool) -> dict:
+  """`plan`'s result for the S(B) model (s_min, b_noise), fitted to the members `reached` (or given: none)."""
   rows, b0 = [], min(swept)
   for batch in sorted(set(swept) | set(measured)):
     rate = swept[batch] if batch in swept else interpolate_throughput(batch, swept)
@@ -79,8 +88,9 @@ def render(result: dict) -> str:
   """plan.md: the fit, where R comes from, predicted vs measured T per batch with the decision rule's factors, and the
   recommendation."""
   lines = [f"# Batch plan ({result['rule']} rule, target {result['target']})", "",
-           f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to target, fitted to the members "
-           f"at B = {', '.join(map(str, result['learn_batches']))}.",
+           f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to target, "
+           + (f"fitted to the members at B = {', '.join(map(str, result['learn_batches']))}."
+              if result["learn_batches"] else "given."),
            _rates_line(result), "",
            "| batch | R samples/s | S predicted | T predicted s | T measured s | error | fitted | R gain | S penalty |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
