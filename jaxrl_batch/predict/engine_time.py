@@ -2,12 +2,13 @@
 
 Why: decode steps, not tokens, cost time, and how many a step runs depends on the engine: the static engine runs
 each block of rows to its longest; the continuous engine refills free slots between chunks (its real host
-`scheduler.Scheduler` is driven here, with requests whose lengths are given). Either way each decode step runs every slot of
-the compiled step (an ended or free slot still computes), so a step costs `decode_seconds(rows, cache_length)`
-with rows = the program's rows, and each prefill program `prefill_seconds(prompts)` (distinct prompts: a group's
-samples share one). A partial rollout's engine call (`rollout.partial`) is `continuous` with the carried
-sequences' tokens (`held_R`, re-prefilled as they take slots, or kept in theirs: `slot_R`) and the collector's stop
-test; chaining the calls of successive steps is left to the caller. Left out: the paged cache (preemption).
+`scheduler.Scheduler` is driven here, with requests whose lengths are given). Either way each decode step runs
+every slot of the compiled step (an ended or free slot still computes), so a step costs
+`decode_seconds(rows, cache_length)` with rows = the program's rows, and each prefill program
+`prefill_seconds(prompts)` (distinct prompts: a group's samples share one). A partial rollout's engine call
+(`rollout.partial`) is `continuous` with the carried sequences' tokens (`held_R`, re-prefilled as they take slots,
+or kept in theirs: `slot_R`) and the collector's stop test; chaining the calls of successive steps is left to the
+caller. Left out: the paged cache (preemption).
 """
 import dataclasses
 from collections.abc import Callable

@@ -82,6 +82,10 @@ def _computation(line: str) -> str | None:
   return None
 
 
+# The mesh form of replica groups: mesh['a'=2,'b'=4], optionally device_ids=([4,2]T(1,0)), then the axes {'b'}.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}")
+
+
 def _group_size(line: str, hlo_text: str) -> int:
   """n, the chips of each replica group: `{{0,1,2,3}}`, the iota form `[groups,n]<=[...]`, or the mesh form
   `mesh['a'=2,'b'=4] {'b'}` (a `device_ids=(...)` between them); no groups (or `{}`) means every chip."""
@@ -89,7 +93,7 @@ def _group_size(line: str, hlo_text: str) -> int:
     return len([x for x in m.group(1).split(",") if x.strip()])
   if (m := re.search(r"replica_groups=\[([\d,]+)\]<=", line)):
     return int(m.group(1).split(",")[-1])
-  if (m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}", line)):
+  if (m := _MESH_GROUPS.search(line)):
     sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
     return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", m.group(2)))
   if "replica_groups=" in line and not re.search(r"replica_groups=\{\}", line):

@@ -5,10 +5,10 @@ the host's reward scoring (not predicted: given, 0 by default). Each compiled pr
 the chip's rates (`program_time`). The rollout follows the engine's own schedule of the step's requests at the given
 response lengths (`engine_time`); each of its decode steps is timed as the compiled step of the engine's rows with
 every slot live at the cache's longest bucket (`train.decode_roofline.step`: an upper bound for the shorter buckets,
-whose keys and values it does not read), each prefill as the compiled prefill of the call's prompts. The static
-engine's blocks are timed by the same step at the block's rows. The compiler counts a loop's body once, so the
-update (a loop over micro-batches) counts num_micro x updates_per_step times its program (the optimizer's step is
-overcounted with it) and the scoring forwards score_num_micro times theirs.
+whose keys and values it does not read), each prefill as the compiled prefill of the step's prompts, in proportion
+to its prompts. The static engine's blocks are timed by the same step at the block's rows. The compiler counts a
+loop's body once, so the update (a loop over micro-batches) counts num_micro x updates_per_step times its program
+(the optimizer's step is overcounted with it) and the scoring forwards score_num_micro times theirs.
 """
 import dataclasses
 
@@ -92,7 +92,7 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
                   prefill=program_time(_compiled("prefill", step), rates))
   prompts = inputs["prefix"].valid_QxP.shape[0]  # the compiled prefill's prompt rows
   rollout = schedule.time(lambda rows, length: programs["decode"].seconds,
-                          lambda q: programs["prefill"].seconds * -(-q // prompts))
+                          lambda q: programs["prefill"].seconds * q / prompts)
   learner = aot._Step.build(exp)  # pylint: disable=protected-access
   for name in ("score", "reference", "update"):
     compiled = _compiled(name, learner)
