@@ -45,7 +45,8 @@ flags.DEFINE_list("learn_batches", [], "Batches whose members the S(B) fit uses 
                   "the target).")
 flags.DEFINE_multi_string("set", [], "key=value override applied to every swept run (as in launch.study).")
 flags.DEFINE_string("topology", None, "Predict R on this TPU topology (v5p:4x4x2, v5e:2x2, ...) from the compiled "
-                    "programs instead of measuring it here.")
+                    "programs instead of measuring it here; 'cpu': predicted for this machine's CPU at its measured "
+                    "rates (to check the prediction against the measured sweep).")
 flags.DEFINE_integer("num_slices", 1, "With --topology: slices of it.")
 flags.DEFINE_string("samples_model", None, "S_MIN:B_NOISE: S(B) = S_MIN (1 + B / B_NOISE) samples to target, given "
                     "instead of fitted to WORKDIR/analysis.json (which is then not read).")
@@ -119,12 +120,14 @@ def _predicted_steps(batches: list[int]) -> dict[int, step_time.StepTime]:
   """Each batch's member (as the sweep builds it) predicted on --topology with lengths drawn from --lengths."""
   path, _, base_arg = FLAGS.config.partition(":")
   module = load_config_module(path)
-  steps = {}
+  steps, rates = {}, None
   for batch in batches:
     config = member_config(module, base_arg, dict(batch=batch, lr_rule=FLAGS.rule, seed=0), FLAGS.set)
+    if rates is None:  # measured once on this machine's CPU: every member at the same rates
+      rates = step_time.target(FLAGS.topology, config, FLAGS.num_slices)[1]
     drawn = lengths.response_lengths(FLAGS.lengths, batch, FLAGS.response_tokens)
     steps[batch] = step_time.predict(config, FLAGS.topology, drawn, prompt_len=FLAGS.prompt_tokens,
-                                     response_len=FLAGS.response_tokens, num_slices=FLAGS.num_slices)
+                                     response_len=FLAGS.response_tokens, num_slices=FLAGS.num_slices, rates=rates)
     logging.info("Batch %d: %.4f s a step predicted on %s, %.1f samples/s.", batch, steps[batch].seconds,
                  FLAGS.topology, steps[batch].samples_per_s)
   return steps

@@ -97,3 +97,18 @@ def test_response_lengths_follow_the_stated_distribution_within_the_budget():
   for bad in ("lognormal:100", "normal:1:2", "fixed:x", "uniform:0:5"):
     with pytest.raises(ValueError, match="lognormal:MEDIAN:SIGMA"):
       lengths.response_lengths(bad, 4, 64)
+
+
+@pytest.mark.slow
+def test_on_this_cpu_each_cache_bucket_is_timed_by_its_own_compiled_step():
+  """The "cpu" target: this machine's devices at measured rates; the xla backend's buckets (64 and 127 slots for
+  32 + 96 tokens) each timed by the step compiled at that length, the longer one reading more."""
+  config = _config(16, engine="continuous", slots=2, chunk=8)
+  lengths = np.random.default_rng(1).integers(40, 97, 16)
+  got = step_time.predict(config, step_time.CPU, lengths, prompt_len=PROMPT, response_len=96)
+  rates = got.programs["decode"].rates
+  assert rates.name == "this machine's CPU" and rates.matmul_flops_per_s > 0 and rates.memory_bytes_per_s > 0
+  assert set(got.decode_by_length) == {s.cache_length for s in got.schedule.segments} == {64, 127}
+  assert got.decode_by_length[127].bytes_accessed > got.decode_by_length[64].bytes_accessed
+  want = sum(s.steps * got.decode_by_length[s.cache_length].seconds for s in got.schedule.segments)
+  assert got.rollout.decode_s == pytest.approx(want) and got.programs["decode"] is got.decode_by_length[127]

@@ -1,14 +1,16 @@
 """One RL step of a family member on a topology one does not have, predicted from the programs `train.aot` compiles.
 
-A step's time, as the analysis's R counts it, is its rollout, its scoring and reference forwards, its update and
-the host's reward scoring (not predicted: given, 0 by default). Each compiled program is timed by its roofline at
-the chip's rates (`program_time`). The rollout follows the engine's own schedule of the step's requests at the given
-response lengths (`engine_time`); each of its decode steps is timed as the compiled step of the engine's rows with
-every slot live at the cache's longest bucket (`train.decode_roofline.step`: an upper bound for the shorter buckets,
-whose keys and values it does not read), each prefill as the compiled prefill of the step's prompts, in proportion
-to its prompts. The static engine's blocks are timed by the same step at the block's rows. The compiler counts a
-loop's body once, so the update (a loop over micro-batches) counts num_micro x updates_per_step times its program
-(the optimizer's step is overcounted with it) and the scoring forwards score_num_micro times theirs.
+The target is a TPU topology (compile-only devices, the chip's published rates) or "cpu": this machine's CPU devices
+at the rates `sampling.roofline.measure_machine` measures (matmul and memory), which is how the model is checked
+against measured throughput. A step's time, as the analysis's R counts it, is its rollout, its scoring and reference
+forwards, its update and the host's reward scoring (not predicted: given, 0 by default). Each compiled program is
+timed by its roofline at the target's rates (`program_time`). The rollout follows the engine's own schedule of the
+step's requests at the given response lengths (`engine_time`); each of its decode steps is timed as the compiled
+step of the engine's rows with every slot live at that step's cache bucket (`train.decode_roofline.step`, compiled
+once per bucket; a paged cache at its whole pool), each prefill as the compiled prefill of the step's prompts, in
+proportion to its prompts. The static engine's blocks are timed by the same step at the block's rows. The compiler
+counts a loop's body once, so the update (a loop over micro-batches) counts num_micro x updates_per_step times its
+program (the optimizer's step is overcounted with it) and the scoring forwards score_num_micro times theirs.
 """
 import dataclasses
 
@@ -16,16 +18,21 @@ import jax
 import ml_collections
 import numpy as np
 
+from jaxrl_batch.model import KVCache, ModelConfig
 from jaxrl_batch.predict import engine_time
 from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.runtime import sharding, topologies
+from jaxrl_batch.sampling.roofline import measure_machine
 from jaxrl_batch.train import aot, decode_roofline
+
+CPU = "cpu"  # The topology name of this machine's CPU devices.
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
   """A member's predicted step: its rollout's schedule and seconds, the other phases' seconds, and each compiled
-  program's roofline (`programs`: decode, prefill, score, reference, update; those the step runs)."""
+  program's roofline (`programs`: decode (at the longest cache bucket), prefill, score, reference, update; those the
+  step runs; `decode_by_length`: the decode step at each cache bucket the schedule reads)."""
   batch: int
   schedule: engine_time.Schedule
   rollout: engine_time.RolloutTime
@@ -34,6 +41,7 @@ class StepTime:
   update_s: float
   reward_s: float
   programs: dict[str, ProgramTime]
+  decode_by_length: dict[int, ProgramTime]
 
   @property
   def seconds(self) -> float:
@@ -67,32 +75,66 @@ def _engine_step(config: ml_collections.ConfigDict, devices, prompt_len: int, re
   return step, inputs
 
 
+def target(topology: str, config: ml_collections.ConfigDict, num_slices: int = 1) -> tuple[tuple, Rates]:
+  """(devices, rates) of `topology`: `num_slices` slices of a TPU topology ('v5p:4x4x2') as compile-only devices at
+  the chip's published rates, or CPU: this machine's CPU devices at the rates measured now in the compute dtype of
+  `config`'s model."""
+  if topology == CPU:
+    rates = Rates.measured(measure_machine(ModelConfig.from_config(config.model).compute_dtype, 512, 2048),
+                           "this machine's CPU")
+    # Its devices (several with --xla_force_host_platform_device_count) share one memory: a collective is a copy.
+    return tuple(jax.devices("cpu")), dataclasses.replace(rates, interconnect_bytes_per_s=rates.memory_bytes_per_s)
+  topo = topologies.compile_only(topology, num_slices)
+  return topo.devices, Rates.from_chip(topo.chip)
+
+
+def _at_length(inputs: dict, length: int) -> dict:
+  """The engine's inputs with a slot cache of `length` slots (a paged cache as it is)."""
+  cache = inputs["state"].cache
+  if not isinstance(cache, KVCache) or cache.length == length:
+    return inputs
+  struct = lambda x, shape: jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+  resized = KVCache(tuple(struct(k, (*k.shape[:3], length)) for k in cache.k_layers),
+                    tuple(struct(v, (*v.shape[:2], length, v.shape[3])) for v in cache.v_layers))
+  return dict(inputs, state=inputs["state"]._replace(cache=resized))
+
+
 def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prompt_len: int, response_len: int,
             num_slices: int = 1, rates: Rates | None = None, reward_s: float = 0.0) -> StepTime:
-  """The step of the member `config` describes on `num_slices` slices of `topology` ('v5p:4x4x2'), its B requests'
-  response lengths `lengths_B` (tokens, EOS included; B of them), prompts of `prompt_len` tokens and the response
-  budget `response_len`; timed at `rates` (default: the chip's published figures)."""
-  topo = topologies.compile_only(topology, num_slices)
-  rates = rates or Rates.from_chip(topo.chip)
-  exp = aot._experiment(config, topo.devices, prompt_len, response_len)  # pylint: disable=protected-access
+  """The step of the member `config` describes on `topology` (`target`), its B requests' response lengths
+  `lengths_B` (tokens, EOS included; B of them), prompts of `prompt_len` tokens and the response budget
+  `response_len`; timed at `rates` (default: the target's)."""
+  if rates is None:
+    devices, rates = target(topology, config, num_slices)
+  else:
+    devices = tuple(jax.devices("cpu")) if topology == CPU else topologies.compile_only(topology, num_slices).devices
+  exp = aot._experiment(config, devices, prompt_len, response_len)  # pylint: disable=protected-access
   m, engine = exp.member, exp.engine
   lengths_B = np.asarray(lengths_B)
   if len(lengths_B) != m.batch_size:
     raise ValueError(f"{len(lengths_B)} response lengths for a member of batch {m.batch_size}: give one a rollout.")
   dp = sharding.data_parallel_size(exp.mesh)
   block = engine.slots * dp or m.batch_size  # rows decoding at once on the slice
-  step, inputs = _engine_step(config, topo.devices, exp.prompt_len, exp.response_len, block // dp)
+  step, inputs = _engine_step(config, devices, exp.prompt_len, exp.response_len, block // dp)
   backend = decode_roofline.resolved_backend_for(exp.mesh, engine.attention_backend)
   shape = dict(max_new_tokens=exp.response_len, prompt_len=exp.prompt_len, group_size=m.group_size, backend=backend)
   if engine.engine == "continuous":
     schedule = engine_time.continuous(lengths_B, slots=block, chunk=engine.chunk, **shape)
   else:
     schedule = engine_time.static(lengths_B, slots=block, **shape)
-  programs = dict(decode=program_time(decode_roofline.compile_step(step, inputs), rates),
-                  prefill=program_time(_compiled("prefill", step), rates))
+  by_length = {}
+
+  def decode_seconds(rows: int, length: int) -> float:
+    if length not in by_length:
+      by_length[length] = program_time(decode_roofline.compile_step(step, _at_length(inputs, length)), rates)
+    return by_length[length].seconds
+
+  programs = dict(prefill=program_time(_compiled("prefill", step), rates))
   prompts = inputs["prefix"].valid_QxP.shape[0]  # the compiled prefill's prompt rows
-  rollout = schedule.time(lambda rows, length: programs["decode"].seconds,
-                          lambda q: programs["prefill"].seconds * q / prompts)
+  rollout = schedule.time(decode_seconds, lambda q: programs["prefill"].seconds * q / prompts)
+  decode_seconds(block, max(s.cache_length for s in schedule.segments) if schedule.segments else
+                 inputs["state"].cache.length)
+  programs["decode"] = by_length[max(by_length)]
   learner = aot._Step.build(exp)  # pylint: disable=protected-access
   for name in ("score", "reference", "update"):
     compiled = _compiled(name, learner)
@@ -101,4 +143,4 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   seconds = lambda name, times: programs[name].seconds * times if name in programs else 0.0
   return StepTime(m.batch_size, schedule, rollout, seconds("score", m.score_num_micro),
                   seconds("reference", m.score_num_micro), seconds("update", m.num_micro * m.updates_per_step),
-                  reward_s, programs)
+                  reward_s, programs, dict(sorted(by_length.items())))
