@@ -9,8 +9,9 @@ step's requests at the given response lengths (`engine_time`); each of its decod
 step of the engine's rows with every slot live at that step's cache bucket (`train.decode_roofline.step`, compiled
 once per bucket; a paged cache at its whole pool), each prefill as the compiled prefill of the step's prompts, in
 proportion to its prompts. The static engine's blocks are timed by the same step at the block's rows. The compiler
-counts a loop's body once, so the update (a loop over micro-batches) counts num_micro x updates_per_step times its
-program (the optimizer's step is overcounted with it) and the scoring forwards score_num_micro times theirs.
+counts a loop's body once, so the update (a loop over micro-batches) counts its micro-batches times its program (the
+optimizer's step is overcounted with it) and the scoring forwards theirs: num_micro per mini-batch, or with packed
+micro-batches (`rl.packing`) those holding tokens, the sequences placed as the packing places them.
 """
 import dataclasses
 
@@ -21,6 +22,7 @@ import numpy as np
 from jaxrl_batch.model import KVCache, ModelConfig
 from jaxrl_batch.predict import engine_time
 from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
+from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling.roofline import measure_machine
 from jaxrl_batch.train import aot, decode_roofline
@@ -99,6 +101,21 @@ def _at_length(inputs: dict, length: int) -> dict:
   return dict(inputs, state=inputs["state"]._replace(cache=resized))
 
 
+def _micro_batches(exp, lengths_B, rows: int) -> int:
+  """Micro-batches a forward (and backward) over the batch runs in slices of `rows` rows: each slice's `num_micro`
+  (`rows` // its micro-batch size), or with packed micro-batches those its sequences fill (prompt_len + response
+  tokens each, placed by `rl.packing.first_fit_decreasing` into rows of the packing's length)."""
+  m, packing = exp.member, exp.packing
+  if packing is None:
+    return len(lengths_B) // rows * (m.num_micro if rows == m.mini_batch_size else m.score_num_micro)
+  count = 0
+  for first in range(0, len(lengths_B), rows):
+    tokens_B = exp.prompt_len + np.asarray(lengths_B[first:first + rows], np.int32)
+    bin_B, _ = packing_lib.first_fit_decreasing(jax.numpy.asarray(tokens_B), packing.length)
+    count += -(-(int(bin_B.max()) + 1) // packing.rows)
+  return count
+
+
 def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prompt_len: int, response_len: int,
             num_slices: int = 1, rates: Rates | None = None, reward_s: float = 0.0) -> StepTime:
   """The step of the member `config` describes on `topology` (`target`), its B requests' response lengths
@@ -141,6 +158,8 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
     if compiled is not None:
       programs[name] = program_time(compiled, rates)
   seconds = lambda name, times: programs[name].seconds * times if name in programs else 0.0
-  return StepTime(m.batch_size, schedule, rollout, seconds("score", m.score_num_micro),
-                  seconds("reference", m.score_num_micro), seconds("update", m.num_micro * m.updates_per_step),
-                  reward_s, programs, dict(sorted(by_length.items())))
+  scored = _micro_batches(exp, lengths_B, m.batch_size)
+  epochs = m.updates_per_step * m.mini_batch_size / m.batch_size  # passes over the batch's mini-batches
+  trained = _micro_batches(exp, lengths_B, m.mini_batch_size) * epochs
+  return StepTime(m.batch_size, schedule, rollout, seconds("score", scored), seconds("reference", scored),
+                  seconds("update", trained), reward_s, programs, dict(sorted(by_length.items())))
