@@ -12,6 +12,7 @@ import math
 import re
 
 from jaxrl_batch.runtime.topologies import Chip
+from jaxrl_batch.train import aot
 
 _BITS = dict(pred=8, s2=2, u2=2, s4=4, u4=4, s8=8, u8=8, f8e4m3fn=8, f8e5m2=8, f8e4m3b11fnuz=8, f8e4m3fnuz=8,
              f8e5m2fnuz=8, bf16=16, f16=16, s16=16, u16=16, f32=32, s32=32, u32=32, f64=64, s64=64, u64=64, c64=64,
@@ -171,26 +172,18 @@ class ProgramTime:
     return sum(c.in_loop for c in self.collectives)
 
 
-def _cost_analysis(compiled) -> dict:
-  costs = compiled.cost_analysis()
-  if isinstance(costs, list | tuple):
-    costs = costs[0] if costs else None
-  return costs or {}
-
-
 def program_time(compiled, rates: Rates) -> ProgramTime:
   """The roofline of a compiled executable (`jax.jit(...).lower(...).compile()`) at `rates`. Raises ValueError
   where the compiler gives no flops or bytes (XLA's GPU executables report no cost analysis)."""
-  costs = _cost_analysis(compiled)
-  if costs.get("flops") is None or costs.get("bytes accessed") is None:
+  cost = aot._cost(compiled)  # pylint: disable=protected-access
+  if cost.flops is None or cost.bytes_accessed is None:
     raise ValueError(f"{rates.name}: the compiler reports no cost analysis (flops, bytes accessed) for this program.")
   found = tuple(collectives(compiled.as_text()))
   sent = sum(c.sent_bytes for c in found)
   if sent and not rates.interconnect_bytes_per_s:
     raise ValueError(f"{rates.name} has no interconnect rate, but the program sends {sent:.0f} bytes.")
-  optimal = costs.get("optimal_seconds")
   return ProgramTime(
-      flops=float(costs["flops"]), bytes_accessed=float(costs["bytes accessed"]), collective_bytes=sent,
-      compute_s=costs["flops"] / rates.matmul_flops_per_s, memory_s=costs["bytes accessed"] / rates.memory_bytes_per_s,
+      flops=cost.flops, bytes_accessed=cost.bytes_accessed, collective_bytes=sent,
+      compute_s=cost.flops / rates.matmul_flops_per_s, memory_s=cost.bytes_accessed / rates.memory_bytes_per_s,
       collective_s=sent / rates.interconnect_bytes_per_s if sent else 0.0,
-      optimal_seconds=None if optimal is None or optimal < 0 else float(optimal), collectives=found, rates=rates)
+      optimal_seconds=cost.optimal_seconds, collectives=found, rates=rates)
