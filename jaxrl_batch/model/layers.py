@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_batch.kernels.train_attention import attend, segment_attention
+from jaxrl_batch.model import lora as lora_lib
 from jaxrl_batch.model.linear import linear
 from jaxrl_batch.model.masks import Segments
 from jaxrl_batch.model.rope import apply_rope
@@ -23,6 +24,22 @@ def sharded_param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
 def fan_in_normal(fan_in: int, scale: float = 1.0):
   """Normal init with std scale / sqrt(fan_in)."""
   return nnx.initializers.normal(stddev=scale / fan_in**0.5)
+
+
+def add_adapters(module: nnx.Module, weights: dict[str, int], lora: lora_lib.LoRAConfig | None, rngs: nnx.Rngs):
+  """Gives `module` an adapter `<name>_lora` for each weight `name` (-> its number of in axes) that `lora` targets."""
+  if lora is None:
+    return
+  for name, contract in weights.items():
+    if lora.adapts(name):
+      setattr(module, name + lora_lib.SUFFIX, lora_lib.adapter_for(getattr(module, name), contract, lora, rngs))
+
+
+def project(module: nnx.Module, name: str, x, dtype, contract: int = 1):
+  """x through `module`'s weight `name` in `dtype` (`linear`), plus its adapter's low-rank update if it has one."""
+  y = linear(x, getattr(module, name)[...].astype(dtype), contract=contract)
+  adapter = getattr(module, name + lora_lib.SUFFIX, None)
+  return y if adapter is None else y + adapter(x, dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -44,7 +61,7 @@ class Attention(nnx.Module):
   `cfg.qkv_bias` adds biases to q, k, v (Qwen2); `cfg.qk_norm` RMS-normalises each q and k head before RoPE (Qwen3).
   """
 
-  def __init__(self, cfg, rngs: nnx.Rngs):
+  def __init__(self, cfg, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None):
     d, n, k, h, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
     self.cfg = cfg
     self.wq = sharded_param(rngs, fan_in_normal(d), (d, n, h), ("embed", "heads", "head_dim"), dt)
@@ -60,6 +77,7 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = RMSNorm(h, cfg.norm_eps, dt, rngs)
       self.k_norm = RMSNorm(h, cfg.norm_eps, dt, rngs)
+    add_adapters(self, dict(wq=1, wk=1, wv=1, wo=2), lora, rngs)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None,
                decode_backend: str | None = None):
@@ -81,7 +99,7 @@ class Attention(nnx.Module):
     if segments and cache is not None:
       raise ValueError("masks.Segments describe a forward without a KV cache; a cached forward takes a dense mask.")
     dt = self.cfg.compute_dtype
-    q, k, v = (linear(x_BxTxD, w[...].astype(dt)) for w in (self.wq, self.wk, self.wv))
+    q, k, v = (project(self, w, x_BxTxD, dt) for w in ("wq", "wk", "wv"))
     if self.cfg.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if self.cfg.qk_norm:
@@ -99,22 +117,23 @@ class Attention(nnx.Module):
       k_BxKxHxS, v_BxKxSxH = (cache.layer(layer) if cache is not None else
                               (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)))
       out_BxTxNxH = attend(q, k_BxKxHxS.astype(dt), v_BxKxSxH.astype(dt), mask_BxTxS)
-    return sharding.constrain_rows(linear(out_BxTxNxH, self.wo[...].astype(dt), contract=2)), cache
+    return sharding.constrain_rows(project(self, "wo", out_BxTxNxH, dt, contract=2)), cache
 
 
 class SwiGLU(nnx.Module):
   """y = W_down (silu(W_gate x) * W_up x)."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs):
+  def __init__(self, cfg, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None):
     d, f, dt = cfg.d_model, cfg.d_ff, cfg.weight_dtype
     self.cfg = cfg
     self.w_gate = sharded_param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), dt)
     self.w_up = sharded_param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), dt)
     out_scale = (2 * cfg.num_layers) ** -0.5
     self.w_down = sharded_param(rngs, fan_in_normal(f, out_scale), (f, d), ("mlp", "embed"), dt)
+    add_adapters(self, dict(w_gate=1, w_up=1, w_down=1), lora, rngs)
 
   def __call__(self, x_BxTxD):
     dt = self.cfg.compute_dtype
-    gate = jax.nn.silu(linear(x_BxTxD, self.w_gate[...].astype(dt)))
-    h_BxTxF = sharding.constrain_rows(gate * linear(x_BxTxD, self.w_up[...].astype(dt)))
-    return sharding.constrain_rows(linear(h_BxTxF, self.w_down[...].astype(dt)))
+    gate = jax.nn.silu(project(self, "w_gate", x_BxTxD, dt))
+    h_BxTxF = sharding.constrain_rows(gate * project(self, "w_up", x_BxTxD, dt))
+    return sharding.constrain_rows(project(self, "w_down", h_BxTxF, dt))

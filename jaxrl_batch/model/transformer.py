@@ -7,18 +7,19 @@ from jaxrl_batch.model.config import REMAT_POLICIES, ModelConfig
 from jaxrl_batch.model.kv_cache import KVCache
 from jaxrl_batch.model.layers import Attention, RMSNorm, SwiGLU, fan_in_normal, sharded_param
 from jaxrl_batch.model.linear import linear
+from jaxrl_batch.model.lora import LoRAConfig
 from jaxrl_batch.model.moe import MoE, stacked_experts
 
 
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is an `MoE` if `sparse`."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False, lora: LoRAConfig | None = None):
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.weight_dtype, rngs)
-    self.attn = Attention(cfg, rngs)
+    self.attn = Attention(cfg, rngs, lora)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.weight_dtype, rngs)
     self.sparse = sparse
-    self.mlp = MoE(cfg, rngs) if sparse else SwiGLU(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if sparse else SwiGLU(cfg, rngs, lora)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None, decode_backend=None,
                replay_BxTxK=None):
@@ -38,14 +39,16 @@ class Transformer(nnx.Module):
 
   One entry point per use: `forward` (hidden states and routing: training and scoring, which apply the head in
   chunks with `logits`), `step` (logits, cache and the experts chosen: the decode engines) and `__call__` (logits
-  and cache: a plain language model, as users and the parity tests call it)."""
+  and cache: a plain language model, as users and the parity tests call it).
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  `lora`: low-rank adapters on the projections it targets (`model.lora`; an MoE layer's experts get none)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
     self.cfg = cfg
     dt = cfg.weight_dtype
     self.embedding = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.vocab_size, cfg.d_model),
                                    ("vocab", "embed"), dt)
-    self.blocks = nnx.List([Block(cfg, rngs, layer in cfg.moe_layers) for layer in range(cfg.num_layers)])
+    self.blocks = nnx.List([Block(cfg, rngs, layer in cfg.moe_layers, lora) for layer in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dt, rngs)
     if not cfg.tie_embeddings:
       self.lm_head = sharded_param(rngs, fan_in_normal(cfg.d_model), (cfg.d_model, cfg.vocab_size),
