@@ -1,4 +1,5 @@
-"""Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE checkpoints in (`from_pretrained`) and out (`save_pretrained`).
+"""Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE checkpoints in (`from_pretrained`) and out (`save_pretrained`), with
+LoRA adapters as PEFT adapter directories (`hf.peft`).
 
 Loading is sharded as it goes: params are laid out by `sharding.abstract_sharded`, and each device's block of each
 tensor is read straight from the safetensors files, so no host ever holds a full copy of a sharded parameter.
@@ -14,8 +15,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxrl_batch.hf import config as hf_config
-from jaxrl_batch.hf import layout, safetensors_io
+from jaxrl_batch.hf import layout, peft, safetensors_io
 from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.model import lora as lora_lib
 from jaxrl_batch.runtime import sharding
 
 # Tensors some checkpoints carry that the model recomputes or ties.
@@ -72,7 +74,7 @@ def _load(reader: safetensors_io.Reader, tensors: list[layout.Tensor], spec: jax
 
 
 def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=None, dtype: str = "float32",
-                    param_dtype: str | None = None):
+                    param_dtype: str | None = None, adapter: str | None = None):
   """Loads a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM directory.
 
   Args:
@@ -81,8 +83,10 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=N
     rules: logical axis -> mesh axis rules (default: `sharding.DEFAULT_RULES`).
     dtype: activation dtype of the model ("float32" or "bfloat16").
     param_dtype: dtype params are stored in (default: `dtype`); checkpoint values are cast to it.
+    adapter: a PEFT LoRA adapter directory to load onto the checkpoint (`peft.load_adapter`; float32 adapters).
   Returns:
-    (ModelConfig, graphdef, params) with params a nested dict, usable as `nnx.merge(graphdef, params)`.
+    (ModelConfig, graphdef, params) with params a nested dict, usable as `nnx.merge(graphdef, params)`; with an
+    adapter, the graphdef is the model's with adapters (`Transformer(cfg, rngs, lora=...)`) and params hold them.
   """
   with open(os.path.join(path, "config.json")) as f:
     cfg = hf_config.to_model_config(json.load(f), dtype, param_dtype)
@@ -96,6 +100,8 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=N
   with safetensors_io.Reader(path) as reader:
     _check_tensors(reader, tensors, abstract, cfg, path)
     params = jax.tree_util.tree_map_with_path(lambda p, spec: _load(reader, by_path[_keys(p)], spec), abstract)
+  if adapter is not None:
+    _, graphdef, params = peft.load_adapter(adapter, cfg, params, mesh=mesh, rules=rules)
   return cfg, graphdef, params
 
 
@@ -104,8 +110,10 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def save_pretrained(cfg: ModelConfig, params, out_dir: str, *, base_config: dict | None = None,
-                    dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> None:
-  """Writes config.json and safetensors that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+                    dtype: str | None = None, max_shard_bytes: int = 2 << 30, lora: lora_lib.LoRAConfig | None = None,
+                    merged: bool = False, base_model_name_or_path: str = "") -> None:
+  """Writes config.json and safetensors that `transformers.AutoModelForCausalLM.from_pretrained` loads; or, for
+  params with LoRA adapters, the PEFT adapter directory that `peft.PeftModel.from_pretrained` loads onto that base.
 
   The family follows the config: Qwen3-MoE with experts, Qwen3 with QK-norm, Qwen2 with q/k/v biases, else Llama.
   Params are gathered to the host one shard file (at most `max_shard_bytes`) at a time; every process must call this,
@@ -118,7 +126,18 @@ def save_pretrained(cfg: ModelConfig, params, out_dir: str, *, base_config: dict
     base_config: a config.json dict whose other fields (token ids, max_position_embeddings, ...) are kept.
     dtype: dtype written ("float32" or "bfloat16"; default: each param's own).
     max_shard_bytes: largest safetensors file before the checkpoint is split into shards.
+    lora: the LoRAConfig of params that hold adapters (`lora.has_adapters`; required for them).
+    merged: with adapters, write the full checkpoint of the merged weights (`lora.merged`) instead of the adapters.
+    base_model_name_or_path: with adapters, the base model recorded in adapter_config.json.
   """
+  if lora_lib.has_adapters(params):
+    if lora is None:
+      raise ValueError("params hold LoRA adapters: pass lora= (the LoRAConfig they were built with) to write them as "
+                       "a PEFT adapter directory, or with merged=True as a full checkpoint.")
+    if not merged:
+      peft.save_adapter(cfg, lora, params, out_dir, base_model_name_or_path=base_model_name_or_path, dtype=dtype)
+      return
+    params = lora_lib.merged(params, lora)
   leaves = {_keys(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
   tensors = layout.tensors(cfg)
   if set(leaves) != {t.path for t in tensors}:
