@@ -1,7 +1,9 @@
 """Parity with `transformers` for tiny random Llama (llama3 RoPE, untied head), Qwen2 (q/k/v bias, tied head),
 Qwen3 (QK-norm, head_dim != hidden / heads) and Qwen3-MoE (normalised top-k with a dense layer among the sparse
-ones; unnormalised top-k with decoder_sparse_step 2): logits with and without left padding, greedy generation, and
-an export that transformers loads back. Checkpoint I/O without torch is in test_hf_io.py."""
+ones; unnormalised top-k with decoder_sparse_step 2): logits with and without left padding, greedy generation, an
+export that transformers loads back, and LoRA adapters both ways with `peft`. Checkpoint I/O without torch is in
+test_hf_io.py, adapter files without torch in test_hf_peft.py."""
+import copy
 import json
 import os
 
@@ -14,8 +16,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
+from flax import nnx  # noqa: E402
+
 from jaxrl_batch import from_pretrained, save_pretrained  # noqa: E402
-from jaxrl_batch.model import sequence_logits  # noqa: E402
+from jaxrl_batch.hf import peft as hf_peft  # noqa: E402
+from jaxrl_batch.model import Transformer, sequence_logits  # noqa: E402
+from jaxrl_batch.model import lora as lora_lib  # noqa: E402
+from jaxrl_batch.runtime import sharding  # noqa: E402
 from jaxrl_batch.sampling import Strategy, generate  # noqa: E402
 
 V, PAD, EOS = 128, 0, 127
@@ -133,3 +140,63 @@ def test_export_round_trip_loads_in_transformers(checkpoint, name, tmp_path):
   tokens, valid = _batch(2, 12, pad=4)
   np.testing.assert_allclose(_hf_logits(reloaded, tokens, valid)[valid], _hf_logits(model, tokens, valid)[valid],
                              atol=1e-5)
+
+
+PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ATTENTION, MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
+# peft (0.21) on transformers 5 maps gate/up/down_proj targets of a Qwen3-MoE model onto its fused experts
+# (target_parameters), dense layers included: adapters of the MoE family cover attention only in these tests.
+TARGETS = {name: ATTENTION if name == "qwen3_moe" else ATTENTION + MLP for name in PEFT_FAMILIES}
+
+
+@pytest.mark.parametrize("name", PEFT_FAMILIES)
+def test_our_adapter_loads_in_peft_with_our_logits(checkpoint, name, tmp_path):
+  """Random adapters (b non-zero), saved by save_pretrained, loaded by PeftModel.from_pretrained onto the
+  transformers model of the same base."""
+  peft = pytest.importorskip("peft")
+  model, (cfg, base_graphdef, params) = checkpoint(name)
+  lora = lora_lib.LoRAConfig(rank=4, alpha=8.0, targets=TARGETS[name])
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  graphdef, abstract = sharding.abstract_sharded(lambda: Transformer(cfg, nnx.Rngs(0), lora=lora), mesh,
+                                                 sharding.DEFAULT_RULES)
+  rng = np.random.default_rng(0)
+  adapters = jax.tree.map(lambda a: jax.device_put(rng.normal(0, 0.3, a.shape).astype(np.float32), a.sharding),
+                          lora_lib.split(abstract)[0])
+  ours = lora_lib.merge(params, adapters)
+  save_pretrained(cfg, ours, str(tmp_path / "adapter"), lora=lora)
+  theirs = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / "adapter")).eval()
+  tokens, valid = _batch(2, 12, pad=4)
+  got = np.asarray(_jit_logits(graphdef, ours, tokens, valid))[valid]
+  assert np.abs(got - np.asarray(_jit_logits(base_graphdef, params, tokens, valid))[valid]).max() > 0.1  # adapters matter
+  np.testing.assert_allclose(got, _hf_logits(theirs, tokens, valid)[valid], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", PEFT_FAMILIES)
+def test_peft_adapter_loads_in_ours_with_peft_logits(checkpoint, name, tmp_path):
+  """An adapter peft made (random A and B), saved by peft, loaded onto our base params."""
+  peft = pytest.importorskip("peft")
+  model, (cfg, _, params) = checkpoint(name)
+  targets = [hf_peft.HF_MODULES[t].split(".")[1] for t in TARGETS[name]]
+  config = peft.LoraConfig(r=4, lora_alpha=12, init_lora_weights=False, task_type="CAUSAL_LM", target_modules=targets)
+  theirs = peft.get_peft_model(copy.deepcopy(model), config).eval()
+  gen = torch.Generator().manual_seed(1)
+  with torch.no_grad():
+    for module, p in theirs.named_parameters():
+      if "lora_" in module:
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+  theirs.save_pretrained(str(tmp_path / "adapter"))
+  lora, graphdef, ours = hf_peft.load_adapter(str(tmp_path / "adapter"), cfg, params)
+  assert lora == lora_lib.LoRAConfig(rank=4, alpha=12.0, targets=TARGETS[name])
+  tokens, valid = _batch(2, 12, pad=4)
+  got = np.asarray(_jit_logits(graphdef, ours, tokens, valid))[valid]
+  assert np.abs(got - _hf_logits(model, tokens, valid)[valid]).max() > 0.1  # the adapter matters
+  np.testing.assert_allclose(got, _hf_logits(theirs, tokens, valid)[valid], atol=1e-4)
+
+
+def test_peft_adapter_on_moe_experts_is_refused(checkpoint, tmp_path):
+  peft = pytest.importorskip("peft")
+  model, (cfg, _, params) = checkpoint("qwen3_moe")
+  config = peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=["q_proj", "gate_proj", "up_proj"])
+  peft.get_peft_model(copy.deepcopy(model), config).save_pretrained(str(tmp_path / "adapter"))
+  with pytest.raises(ValueError, match="target_parameters=.*cannot be represented"):
+    hf_peft.load_adapter(str(tmp_path / "adapter"), cfg, params)
