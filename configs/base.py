@@ -66,6 +66,14 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
       remat="none",  # What a block keeps for the backward pass: "none" | "block" | "dots" (recompute the rest).
       attention="auto",  # Uncached forward: auto (CPU dense, TPU splash, GPU flash_gpu) | dense | splash | flash_gpu.
   ))
+  # LoRA (jaxrl_batch.model.lora): rank > 0 trains low-rank adapters on the base policy (frozen; the KL reference is
+  # the base without them) instead of every weight; the lr rules apply to the adapters' lr.
+  c.lora = ml_collections.ConfigDict(dict(
+      rank=0,  # r; 0 = no adapters (the whole policy trains).
+      alpha=16.0,  # The adapters' update is scaled by alpha / rank.
+      targets=("q", "k", "v", "o", "gate", "up", "down"),  # Projections adapted (attention q/k/v/o, MLP).
+      dropout=0.0,  # Only 0 (the trainer's log-probs must be the sampler's policy's).
+  ))
 
   # Device mesh (runtime.sharding.make_mesh); -1 takes the rest. `expert` splits MoE experts (and the batch).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))

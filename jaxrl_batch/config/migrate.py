@@ -39,6 +39,7 @@ ADDED = {
     "rl.noise_split": False,  # noise_scale alone.
     "rl.router_aux_loss_coef": 0.0,  # No load-balancing term in the loss.
     "task.max_failed_reward_steps": 0,  # Runs went on whatever their reward function did.
+    "lora": dict(rank=0, alpha=16.0, targets=["q", "k", "v", "o", "gate", "up", "down"], dropout=0.0),  # Full RL.
 }
 
 # Task field -> (the tasks whose group has it, the value of a run written before it); filled where task.name is one.

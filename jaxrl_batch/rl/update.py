@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrl_batch.model import lora
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl import noise_scale as noise_lib
 from jaxrl_batch.rl import objective as objective_lib
@@ -39,6 +40,13 @@ def micro_loss(trainable, micro: TrainBatch, weights: LossWeights, kl_coef, mode
   if weights.signed_BxTx2 is not None:
     loss = jnp.stack([loss, *objective_lib.signed_losses(terms, weights, kl_coef, cfg)])
   return loss, {**aux, **parts}
+
+
+def _on_trained(trained, micro: TrainBatch, weights: LossWeights, params, **kwargs):
+  """`micro_loss` as a function of what trains, (`lora.trainable(params)`, critic): with adapters, the frozen base
+  weights of `params` are constants of the loss, so neither gradients nor optimizer state exist for them."""
+  policy, critic = trained
+  return micro_loss((lora.with_trained(params, policy), critic), micro, weights, **kwargs)
 
 
 def packed(batch: TrainBatch, weights: LossWeights, packing: packing_lib.Packing):
@@ -95,7 +103,8 @@ def update(state: dict, batch: TrainBatch, kl_coef, ids_Bx2=None, *, models: Mod
            num_micro: int, train_actor: bool = True, packing: packing_lib.Packing | None = None):
   """One optimizer step of the actor (if `train_actor`) and the critic (if cfg.critic) on the mini-batch `batch`.
 
-  state: dict(params, opt_state[, critic, critic_opt_state]). kl_coef: float32 scalar (traced: it may adapt).
+  state: dict(params, opt_state[, critic, critic_opt_state]); params holding LoRA adapters train only those
+  (`model.lora`: opt_state is theirs, grad_norm and the noise scale are of their gradient). kl_coef: float32 scalar (traced: it may adapt).
   ids_Bx2: int32 prompt id (any numbering) and index in its group of each row; None: each row its own prompt.
   Micro-batches: `num_micro` slices of the rows, or with `packing` the sequences packed into rows of a fixed length
   (as many micro-batches as they fill, a device scalar). Micro-batch losses are normalised by counts of the whole
@@ -113,17 +122,18 @@ def update(state: dict, batch: TrainBatch, kl_coef, ids_Bx2=None, *, models: Mod
     micro_B = jnp.arange(u_B.shape[0]) // (u_B.shape[0] // num_micro)
   else:
     micro_batches, count, micro_B = packed(batch, weights, packing)
-  loss_fn = functools.partial(micro_loss, kl_coef=kl_coef, models=models, cfg=cfg, train_actor=train_actor,
-                              num_micro=jnp.asarray(count, jnp.float32))
-  trainable = (state["params"], state.get("critic"))
+  params = state["params"]
+  loss_fn = functools.partial(_on_trained, params=params, kl_coef=kl_coef, models=models, cfg=cfg,
+                              train_actor=train_actor, num_micro=jnp.asarray(count, jnp.float32))
+  trainable = (lora.trainable(params), state.get("critic"))
   per_micro = not split and ids_Bx2 is not None  # micro-batches may split groups (`rl.learner.needs_ids`)
   (loss, aux, (policy_grads, critic_grads)), noise = _accumulate(trainable, micro_batches, count, loss_fn, split,
                                                                  per_micro)
   state = dict(state)
   metrics = dict(routing_lib.logged(aux), loss=loss, num_tokens=jnp.sum(batch.loss_mask_BxT))
   if train_actor:
-    updates, state["opt_state"] = models.actor_tx.update(policy_grads, state["opt_state"], state["params"])
-    state["params"] = optax.apply_updates(state["params"], updates)
+    updates, state["opt_state"] = models.actor_tx.update(policy_grads, state["opt_state"], trainable[0])
+    state["params"] = lora.with_trained(params, optax.apply_updates(trainable[0], updates))
     grad_sq = optax.tree.norm(policy_grads, squared=True)
     metrics.update(grad_norm=jnp.sqrt(grad_sq))
     if split:

@@ -136,16 +136,20 @@ def abstract_sharded(module_fn, mesh: Mesh, rules):
   return graphdef, nnx.to_pure_dict(specs)
 
 
-def create_sharded(module_fn, mesh: Mesh, rules):
+def create_sharded(module_fn, mesh: Mesh, rules, select=None):
   """Builds `module_fn()` (an nnx.Module factory) with every parameter created directly in its sharding.
 
   Returns (graphdef, params): params is a plain nested dict of arrays, usable with `nnx.merge(graphdef, params)`.
+  `select` (a function of such a dict returning part of it): only that part is created (the rest is never
+  allocated), e.g. a model's adapters for base weights loaded elsewhere.
   """
+  select = select or (lambda tree: tree)
   graphdef, abstract = abstract_sharded(module_fn, mesh, rules)
+  abstract = select(abstract)
 
   def init():
     with nnx.use_eager_sharding(False):
-      return nnx.to_pure_dict(nnx.state(module_fn()))
+      return select(nnx.to_pure_dict(nnx.state(module_fn())))
 
   with jax.set_mesh(mesh):
     params = jax.jit(init, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()

@@ -62,3 +62,9 @@ def sampling_key(data_3: jax.Array) -> jax.Array:
 def init_seed(seed: int) -> int:
   """The seed of a freshly initialised policy (`nnx.Rngs`)."""
   return seed
+
+
+def adapter_seed(seed: int) -> int:
+  """The seed of the LoRA adapters a run adds to its base policy (`nnx.Rngs` of the model with adapters: their
+  draws follow the base weights' in that stream, so they are not the base's)."""
+  return seed

@@ -60,7 +60,7 @@ from flax import nnx
 
 from jaxrl_batch.config import family
 from jaxrl_batch.config.optim import make_optimizer
-from jaxrl_batch.model import ModelConfig
+from jaxrl_batch.model import ModelConfig, lora
 from jaxrl_batch.model.compute_copy import abstract_compute_copy, casts_any
 from jaxrl_batch.model.value_head import ValueHead, ValueModel
 from jaxrl_batch.rl import critic as critic_lib
@@ -246,9 +246,9 @@ class _Step:
   @classmethod
   def build(cls, exp: Experiment) -> "_Step":
     m, config = exp.member, exp.config
-    graphdef, params = exp.abstract_params()
+    graphdef, params = exp.abstract_params(adapters=True)
     actor = make_optimizer(config.optim, m.batch_size, m.sample_budget, m.updates_per_step, (m.actor_lr, m.actor_adam))
-    state = dict(params=params, opt_state=_abstract_opt_state(actor.tx, params, exp.mesh))
+    state = dict(params=params, opt_state=_abstract_opt_state(actor.tx, lora.trainable(params), exp.mesh))
     critic_graphdef = critic_tx = None
     if m.algo.critic:
       critic_tx = make_optimizer(config.critic.optim, m.batch_size, m.sample_budget, m.updates_per_step,
@@ -258,7 +258,9 @@ class _Step:
     models = forward.ModelDefs(graphdef, actor.tx, critic_graphdef, critic_tx)
     dtype = exp.model_cfg.compute_dtype
     sampler = abstract_compute_copy(params, dtype) if casts_any(params, dtype) else params
-    return cls(exp, models, state, abstract_compute_copy(params, dtype) if m.algo.use_kl else None, sampler)
+    # The reference policy held beside the policy (none with adapters: it is the policy without them).
+    ref = abstract_compute_copy(params, dtype) if m.algo.use_kl and exp.lora is None else None
+    return cls(exp, models, state, ref, sampler)
 
   def rows(self, shape, dtype):
     """A batch-sharded struct (leading dimension over data, fsdp and expert)."""
@@ -328,11 +330,14 @@ def _program_reference(step: _Step):
   if not m.algo.use_kl:
     return "rl.kl_coef=0: no KL term, no reference policy"
   b = m.batch_size
-  args = (step.ref_params, None, step.rows((b, step.length), jnp.int32), step.rows((b, step.length), bool),
+  policy, held = step.ref_params, ("params", "opt_state", "critic", "critic_opt_state")
+  if policy is None:  # LoRA: the policy without its adapters' updates (`lora.base_policy`): the policy's arrays.
+    policy, held = step.state["params"], held[1:]
+  args = (policy, None, step.rows((b, step.length), jnp.int32), step.rows((b, step.length), bool),
           step.rows((b, step.length), bool))
   kwargs = dict(models=forward.ModelDefs(step.models.graphdef), cfg=forward.reference_cfg(m.algo),
                 packing=exp.packing, num_micro=m.score_num_micro)
-  resident = step.resident("params", "opt_state", "critic", "critic_opt_state") + _async_copy(step) + _kept_slots(step)
+  resident = step.resident(*held) + _async_copy(step) + _kept_slots(step)
   return forward.logprobs_and_values, args, kwargs, resident, _forward_shape(step, b)
 
 

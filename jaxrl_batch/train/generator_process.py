@@ -118,7 +118,7 @@ def serve(conn: Connection, cores: set[int]) -> None:
   config.mesh.update({k: config.rollout_mesh[k] for k in ("data", "fsdp", "tensor", "expert")})
   exp = Experiment.create(config)
   collector = Collector(exp)
-  graphdef, abstract = exp.abstract_params()
+  graphdef, abstract = exp.abstract_params(adapters=True)  # The policy the learner publishes.
   shapes, treedef = jax.tree.flatten(abstract)
   conn.send((READY,))
   while True:

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxrl_batch import tasks
 from jaxrl_batch.config import family, migrate
 from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.model import lora as lora_lib
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.sampling import EngineSettings, Strategy, engine_settings
@@ -76,6 +77,7 @@ class Experiment:
   response_len: int
   chat: chat_template_lib.ChatTemplate | None = None
   packing: packing_lib.Packing | None = None  # `micro_batch_tokens` > 0: packed micro-batches (`packing_for`)
+  lora: lora_lib.LoRAConfig | None = None  # config.lora with rank > 0: RL trains low-rank adapters on the base
 
   @property
   def stop_id(self) -> int:
@@ -112,18 +114,29 @@ class Experiment:
       member = dataclasses.replace(member, algo=dataclasses.replace(member.algo, loss_agg_constant=float(response_len)))
     return cls(config, member, mesh, tokenizer, task, tasks.make_scorer(task, config.task), model_cfg, prompt_len,
                response_len, chat, packing_for(config.micro_batch_tokens, prompt_len + response_len,
-                                               sharding.data_parallel_size(mesh)))
+                                               sharding.data_parallel_size(mesh)),
+               lora_lib.LoRAConfig.from_config(config.lora))
 
-  def _module_fn(self, seed: int):
-    return lambda: Transformer(self.model_cfg, nnx.Rngs(seed))
+  def _module_fn(self, seed: int, adapters: bool = False):
+    return lambda: Transformer(self.model_cfg, nnx.Rngs(seed), lora=self.lora if adapters else None)
 
   def init_params(self, seed: int):
-    """(graphdef, params) of a freshly initialised model, created sharded over the mesh."""
+    """(graphdef, params) of a freshly initialised model (no adapters: the base), created sharded over the mesh."""
     return sharding.create_sharded(self._module_fn(seed), self.mesh, self.config.sharding_rules)
 
-  def abstract_params(self):
-    """(graphdef, params as sharded ShapeDtypeStructs): a restore target; allocates nothing."""
-    return sharding.abstract_sharded(self._module_fn(0), self.mesh, self.config.sharding_rules)
+  def abstract_params(self, adapters: bool = False):
+    """(graphdef, params as sharded ShapeDtypeStructs): a restore target; allocates nothing. `adapters`: the policy
+    RL trains, with config.lora's adapters (the base without them when config.lora is off)."""
+    return sharding.abstract_sharded(self._module_fn(0, adapters), self.mesh, self.config.sharding_rules)
+
+  def policy(self, graphdef, base_params, seed: int):
+    """(graphdef, params) of the policy RL trains from the base policy `base_params`: with config.lora, the base
+    with fresh adapters (created sharded; the base arrays are kept, not copied), else the base itself."""
+    if self.lora is None:
+      return graphdef, base_params
+    graphdef, adapters = sharding.create_sharded(self._module_fn(seed, adapters=True), self.mesh,
+                                                 self.config.sharding_rules, select=lambda p: lora_lib.split(p)[0])
+    return graphdef, lora_lib.merge(base_params, adapters)
 
   @property
   def strategy(self) -> Strategy:

@@ -27,12 +27,13 @@ import numpy as np
 
 from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.model import compute_copy
+from jaxrl_batch.model import lora as lora_lib
 from jaxrl_batch.rl.critic import init_critic
 from jaxrl_batch.rl.forward import ModelDefs
 from jaxrl_batch.rl.kl_control import KLController
 from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
-from jaxrl_batch.runtime import disk_space, sharding, transfer
+from jaxrl_batch.runtime import disk_space, sharding, streams, transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite, saved_steps
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
 from jaxrl_batch.train import branch, collectors, evaluation, rundir, samples_log, sft, step_row, writers
@@ -126,7 +127,7 @@ class Trainer:
     kl_coef, orders = transfer.to_device("kl_orders", (np.float32(self.kl.coef), orders),
                                          (replicated, [replicated] * len(orders)))
     with jax.set_mesh(self.exp.mesh):
-      batch, prepared = learner.prepare(state, rollouts, self.ref_params, kl_coef)
+      batch, prepared = learner.prepare(state, rollouts, self._reference(state), kl_coef)
       state, out = learner.train(state, batch, orders, step, kl_coef)
     state = jax.block_until_ready(state)
     actor_updates = max(step - self.algo.critic_warmup_steps, 0) * self.member.updates_per_step
@@ -221,14 +222,23 @@ class Trainer:
 
   # -- the loop --------------------------------------------------------------------------------------------------
 
-  def _initial_state(self, base_params) -> dict:
+  def _reference(self, state: dict):
+    """The frozen reference policy of the KL term (None without one): the base policy, held since the start, or
+    with adapters the policy without their updates (`lora.base_policy`: the same base arrays)."""
+    if not self.algo.use_kl or self.exp.lora is None:
+      return self.ref_params
+    return lora_lib.base_policy(state["params"])
+
+  def _initial_state(self, policy) -> dict:
+    """The training state at step 0: the policy, its critic, and optimizer states for what trains (with adapters,
+    the adapters only: `lora.trainable`)."""
     exp, m = self.exp, self.member
-    state, critic_graphdef = dict(params=base_params), None
+    state, critic_graphdef = dict(params=policy), None
     if self.algo.critic:
-      critic_graphdef, state["critic"] = init_critic(exp.model_cfg, base_params, self.algo.share_backbone,
+      critic_graphdef, state["critic"] = init_critic(exp.model_cfg, lora_lib.split(policy)[1], self.algo.share_backbone,
                                                      self.algo.critic_layers, exp.mesh, self.config.sharding_rules)
     with jax.set_mesh(exp.mesh):
-      state["opt_state"] = self.optimizer.tx.init(base_params)
+      state["opt_state"] = self.optimizer.tx.init(lora_lib.trainable(policy))
       if self.algo.critic:
         state["critic_opt_state"] = self.critic_optimizer.tx.init(state["critic"])
     models = ModelDefs(self.graphdef, self.optimizer.tx, critic_graphdef,
@@ -257,9 +267,11 @@ class Trainer:
     with transfer.scope("base_policy"):  # The warm start (trained or restored) moves whole trees.
       self.graphdef, base_params, base_dir = sft.load_or_train(exp, stop_signal=stop_signal)
     # The reference policy is held only when a KL term exists, in the compute dtype (`model.compute_copy`): frozen,
-    # its forward reads it cast anyway.
-    self.ref_params = compute_copy(base_params, exp.model_cfg.compute_dtype, copy=True) if algo.use_kl else None
-    state = self._initial_state(base_params)
+    # its forward reads it cast anyway. With adapters it is the policy without them (`_reference`): not held.
+    if algo.use_kl and exp.lora is None:
+      self.ref_params = compute_copy(base_params, exp.model_cfg.compute_dtype, copy=True)
+    self.graphdef, policy = exp.policy(self.graphdef, base_params, streams.adapter_seed(self.config.seed))
+    state = self._initial_state(policy)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     if seeding:
       with transfer.scope("restore"):
