@@ -8,7 +8,8 @@ after runs were written also gets an entry in `jaxrl_batch.config.migrate.ADDED`
 filled into an old config.json when it is read (resume, branch, analysis) and named in a log line.
 
 The arguments of the arithmetic-style families (`ARGS`): 'batch=<rollouts per step>,lr_rule=<none|linear|sqrt|
-adam_sde>,seed=<int>,family_axis=<prompts|group_size>,debug,moe'.
+adam_sde>,seed=<int>,family_axis=<prompts|group_size>,lora=<rank>,debug,moe' (lora: a LoRA family of that rank, whose
+base lr the family file sets).
 """
 import dataclasses
 
@@ -19,7 +20,7 @@ from jaxrl_batch.config.args import parse_arg
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.runtime import sharding
 
-ARGS = dict(batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", debug=False, moe=False)
+ARGS = dict(batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", lora=0, debug=False, moe=False)
 CRITIC_BASE_BATCH = 128  # B0 of the critic's lr family (configs/ppo_arith.py's base member).
 
 
@@ -69,7 +70,7 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
   # LoRA (jaxrl_batch.model.lora): rank > 0 trains low-rank adapters on the base policy (frozen; the KL reference is
   # the base without them) instead of every weight; the lr rules apply to the adapters' lr.
   c.lora = ml_collections.ConfigDict(dict(
-      rank=0,  # r; 0 = no adapters (the whole policy trains).
+      rank=arg.lora,  # r; 0 = no adapters (the whole policy trains).
       alpha=16.0,  # The adapters' update is scaled by alpha / rank.
       targets=("q", "k", "v", "o", "gate", "up", "down"),  # Projections adapted (attention q/k/v/o, MLP).
       dropout=0.0,  # Only 0 (the trainer's log-probs must be the sampler's policy's).
