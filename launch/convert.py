@@ -5,6 +5,9 @@ model_config.json) and back.
   python -m launch.convert --direction=export --ckpt_dir=/tmp/qwen05 --out=/tmp/qwen05_hf
   python -m launch.convert --direction=export --ckpt_dir=/tmp/run/checkpoints --params_key=params \
       --model_config=/tmp/run/config.json --out=/tmp/run_hf --dtype=bfloat16
+  # a run with config.lora: a PEFT adapter directory; --merged: the full checkpoint of the merged weights
+  python -m launch.convert --direction=export --ckpt_dir=/tmp/lora_run/checkpoints --params_key=params \
+      --model_config=/tmp/lora_run/config.json --out=/tmp/lora_run_adapter [--merged]
 
 Import loads each tensor sharded over --mesh (data,fsdp,tensor[,expert]; one size may be -1; expert, default 1,
 splits MoE experts, e.g. --mesh=1,-1,1,8) and writes the layout of a cached base policy (see
@@ -25,6 +28,8 @@ flags.DEFINE_string("out", None, "Output directory.")
 flags.DEFINE_string("model_config", None, "export: ModelConfig JSON or a run's config.json "
                     "(default: CKPT_DIR/model_config.json).")
 flags.DEFINE_string("params_key", None, "export: key of the params in the checkpointed state ('params' for runs).")
+flags.DEFINE_bool("merged", False, "export of a run with LoRA adapters: write the merged full checkpoint instead of "
+                  "a PEFT adapter directory.")
 flags.DEFINE_integer("step", None, "export: checkpoint step (default: latest).")
 flags.DEFINE_string("dtype", None, "Parameter dtype written: float32 or bfloat16 (import default: float32; "
                     "export default: the checkpoint's).")
@@ -53,7 +58,7 @@ def main(argv):
     if not FLAGS.ckpt_dir:
       raise app.UsageError("--direction=export needs --ckpt_dir.")
     cfg = export_hf(FLAGS.ckpt_dir, FLAGS.out, model_config=FLAGS.model_config, step=FLAGS.step,
-                    params_key=FLAGS.params_key, mesh=mesh, dtype=FLAGS.dtype)
+                    params_key=FLAGS.params_key, mesh=mesh, dtype=FLAGS.dtype, merged=FLAGS.merged)
   logging.info("Wrote %s (%.2fM parameters): %s", FLAGS.out, cfg.num_params() / 1e6, cfg)
 
 

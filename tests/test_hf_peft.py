@@ -1,6 +1,7 @@
 """LoRA adapters as PEFT adapter directories, without torch: our adapters -> PEFT files -> ours is exact, the files
 hold PEFT's names, shapes and layout (stated here by hand for a 2-layer model), the merged export computes what the
 adapters do, and what we cannot represent is refused by name. Parity with peft itself is in test_hf_parity.py."""
+import dataclasses
 import json
 import logging
 import os
@@ -15,10 +16,11 @@ from flax import nnx
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from jaxrl_batch import from_pretrained, save_pretrained  # noqa: E402
-from jaxrl_batch.hf import peft  # noqa: E402
+from jaxrl_batch.hf import export_hf, peft  # noqa: E402
 from jaxrl_batch.model import ModelConfig, Transformer, sequence_logits  # noqa: E402
 from jaxrl_batch.model import lora as lora_lib  # noqa: E402
 from jaxrl_batch.runtime import sharding  # noqa: E402
+from jaxrl_batch.runtime.checkpointing import Checkpointer  # noqa: E402
 from tests.helpers import assert_trees_equal  # noqa: E402
 
 # D 64, N*H 128 (head_dim 32 != D / N, so q's and o's flattened axes differ from D), K*H 64, F 96.
@@ -216,3 +218,19 @@ def test_bad_saves_write_nothing_and_bad_loads_say_what_to_pass(saved, tmp_path)
     peft.load_adapter(adapter, CFG, params)
   with pytest.raises(FileNotFoundError, match="no adapter_config.json: pass a PEFT adapter directory"):
     from_pretrained(base, adapter=base)
+
+
+def test_export_of_a_lora_run_writes_the_adapter_or_the_merged_checkpoint(saved, tmp_path):
+  graphdef, params, base, _ = saved
+  run = tmp_path / "run"
+  ckpt = Checkpointer(str(run / "checkpoints"))
+  ckpt.save(3, dict(params=params, opt_state=dict(mu=lora_lib.split(params)[0])), dict(step=3))
+  ckpt.close()
+  (run / "config.json").write_text(json.dumps(dict(config=dict(model=dataclasses.asdict(CFG),
+                                                               lora=dataclasses.asdict(LORA)))))
+  for merged in (False, True):
+    out = str(tmp_path / f"export_{merged}")
+    export_hf(str(run / "checkpoints"), out, model_config=str(run / "config.json"), params_key="params", merged=merged)
+    assert os.path.exists(os.path.join(out, "model.safetensors" if merged else peft.WEIGHTS_FILE))
+    _, loaded_graphdef, loaded = from_pretrained(base if not merged else out, adapter=None if merged else out)
+    np.testing.assert_allclose(_logits(loaded_graphdef, loaded), _logits(graphdef, params), atol=1e-5)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxrl_batch.hf.convert import from_pretrained, save_pretrained
 from jaxrl_batch.model import ModelConfig, Transformer
+from jaxrl_batch.model.lora import LoRAConfig
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.runtime.checkpointing import Checkpointer
 
@@ -50,10 +51,20 @@ def read_model_config(path: str) -> ModelConfig:
   return ModelConfig.from_config(data["config"]["model"] if "config" in data else data)
 
 
+def read_lora_config(path: str) -> LoRAConfig | None:
+  """The LoRAConfig of a `launch.train` run's `config.json` (its `config.lora`); None without adapters or for a
+  `model_config.json`."""
+  with open(path) as f:
+    data = json.load(f)
+  return LoRAConfig.from_config(data.get("config", {}).get("lora"))
+
+
 def export_hf(ckpt_dir: str, out_dir: str, *, model_config: str | None = None, step: int | None = None,
               params_key: str | None = None, mesh=None, rules=None, dtype: str | None = None,
-              max_shard_bytes: int = 2 << 30) -> ModelConfig:
-  """Writes a Hugging Face directory from an orbax checkpoint of params.
+              max_shard_bytes: int = 2 << 30, merged: bool = False) -> ModelConfig:
+  """Writes a Hugging Face directory from an orbax checkpoint of params; a run that trained LoRA adapters
+  (`config.lora` in its config.json) is written as a PEFT adapter directory, or with `merged` as the full checkpoint
+  of the merged weights.
 
   Args:
     ckpt_dir: a converted directory, a cached base policy, or a training run's `checkpoints/`.
@@ -65,10 +76,12 @@ def export_hf(ckpt_dir: str, out_dir: str, *, model_config: str | None = None, s
     mesh, rules: where params are restored (default: the first device, `sharding.DEFAULT_RULES`).
     dtype: dtype written (default: the params' own).
     max_shard_bytes: largest safetensors file before splitting into shards.
+    merged: with adapters, write the merged full checkpoint instead of the adapters.
   """
   cfg = read_model_config(model_config or os.path.join(ckpt_dir, MODEL_CONFIG))
+  lora = read_lora_config(model_config or os.path.join(ckpt_dir, MODEL_CONFIG))
   mesh = mesh or sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  _, abstract = sharding.abstract_sharded(lambda: Transformer(cfg, nnx.Rngs(0)), mesh,
+  _, abstract = sharding.abstract_sharded(lambda: Transformer(cfg, nnx.Rngs(0), lora=lora), mesh,
                                           sharding.DEFAULT_RULES if rules is None else rules)
   if params_key is None:
     ckpt = Checkpointer(ckpt_dir)
@@ -81,7 +94,8 @@ def export_hf(ckpt_dir: str, out_dir: str, *, model_config: str | None = None, s
   if os.path.exists(base_path):
     with open(base_path) as f:
       base = json.load(f)
-  save_pretrained(cfg, params, out_dir, base_config=base, dtype=dtype, max_shard_bytes=max_shard_bytes)
+  save_pretrained(cfg, params, out_dir, base_config=base, dtype=dtype, max_shard_bytes=max_shard_bytes, lora=lora,
+                  merged=merged, base_model_name_or_path=(base or {}).get("_name_or_path", ""))
   if jax.process_index() == 0:
     for name in HF_FILES:
       if name != "config.json" and os.path.exists(os.path.join(ckpt_dir, HF_DIR, name)):
