@@ -21,7 +21,8 @@ from jaxrl_batch.model.linear import linear
 
 # Target name -> (module attribute, weight attribute); the names are PEFT's short forms of Hugging Face's modules.
 TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
-           "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down")}
+           "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down"),
+           "experts": ("mlp", "experts")}  # an MoE layer's w_gate, w_up, w_down: an adapter per expert (`moe.MoE`)
 SUFFIX = "_lora"
 
 
@@ -156,7 +157,8 @@ def merged(params, cfg: LoRAConfig):
       if str(key).endswith(SUFFIX):
         weight = key[:-len(SUFFIX)]
         w, a, b = out[weight], child["a"], child["b"]
-        delta = jnp.tensordot(a, b, axes=1) * cfg.scale
+        batched = a.ndim + b.ndim - 3 == w.ndim  # an expert stack's: a (E, in, r), b (E, r, out)
+        delta = (jnp.einsum("eir,ero->eio", a, b) if batched else jnp.tensordot(a, b, axes=1)) * cfg.scale
         assert delta.shape == w.shape, (weight, delta.shape, w.shape)
         out[weight] = (w.astype(jnp.float32) + delta).astype(w.dtype)
       else:

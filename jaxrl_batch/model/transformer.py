@@ -19,7 +19,7 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs, lora)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.weight_dtype, rngs)
     self.sparse = sparse
-    self.mlp = MoE(cfg, rngs) if sparse else SwiGLU(cfg, rngs, lora)
+    self.mlp = MoE(cfg, rngs, lora) if sparse else SwiGLU(cfg, rngs, lora)
 
   def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer=0, cache_index=None, decode_backend=None,
                replay_BxTxK=None):
@@ -41,7 +41,7 @@ class Transformer(nnx.Module):
   chunks with `logits`), `step` (logits, cache and the experts chosen: the decode engines) and `__call__` (logits
   and cache: a plain language model, as users and the parity tests call it).
 
-  `lora`: low-rank adapters on the projections it targets (`model.lora`; an MoE layer's experts get none)."""
+  `lora`: low-rank adapters on the projections it targets (`model.lora`; an MoE layer's experts: "experts")."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
     self.cfg = cfg
