@@ -64,7 +64,7 @@ def test_round_trip_gives_the_same_adapters_and_logits(saved):
   graphdef, params, base, adapter = saved
   assert sorted(os.listdir(adapter)) == [peft.CONFIG_FILE, peft.WEIGHTS_FILE]
   cfg, loaded_graphdef, loaded = from_pretrained(base, adapter=adapter)
-  assert cfg == CFG and peft.read_config(adapter) == LORA
+  assert cfg == CFG and peft.load_adapter(adapter, CFG, lora_lib.split(params)[1])[0] == LORA
   assert_trees_equal(params, loaded)
   np.testing.assert_array_equal(_logits(loaded_graphdef, loaded), _logits(graphdef, params))
   assert np.abs(_logits(graphdef, params) - _logits(graphdef, lora_lib.base_policy(params))).max() > 0.1
@@ -120,6 +120,24 @@ def test_merged_export_is_peft_update_and_gives_the_adapter_models_logits(saved,
     name = f"model.layers.0.{module}"
     delta = 2.0 * tensors[f"base_model.model.{name}.lora_B.weight"] @ tensors[f"base_model.model.{name}.lora_A.weight"]
     np.testing.assert_allclose(after[name + ".weight"], before[name + ".weight"] + delta, atol=1e-6)
+
+
+def test_sharded_load_gives_same_adapters_and_logits(saved):
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")
+  graphdef, params, base, adapter = saved
+  mesh = sharding.make_mesh(2, 2, 2)
+  _, graphdef8, params8 = from_pretrained(base, mesh=mesh, adapter=adapter)
+  attn = params8["blocks"][0]["attn"]
+  assert attn["wq_lora"]["a"].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+  assert attn["wq_lora"]["b"].addressable_shards[0].data.shape == (4, 2, 32)  # (r, N/tensor, H): its block only
+  assert attn["wo_lora"]["a"].addressable_shards[0].data.shape == (2, 32, 4)  # (N/tensor, H, r)
+  assert_trees_equal(params, params8)
+  tokens = np.random.default_rng(0).integers(0, 128, (8, 10))
+  valid = np.ones((8, 10), bool)
+  with jax.set_mesh(mesh):
+    logits8 = _jit_logits(graphdef8, params8, *jax.device_put((tokens, valid), sharding.batch_sharding(mesh)))
+  np.testing.assert_allclose(logits8, _jit_logits(graphdef, params, tokens, valid), atol=1e-5)
 
 
 def test_some_targets_and_moe_layers(tmp_path):

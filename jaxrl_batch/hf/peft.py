@@ -31,6 +31,7 @@ _PREFIX = "base_model.model."
 # Our target names (`lora.TARGETS`) -> the Hugging Face module each adapts, under model.layers.{i}.
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_MODULE_NAMES = sorted(m.split(".")[1] for m in HF_MODULES.values())
 # adapter_config.json fields whose non-default values change what an adapter computes in ways we cannot represent.
 _UNSUPPORTED = {
     "use_dora": "DoRA (weight-decomposed LoRA) adapters",
@@ -144,8 +145,8 @@ def save_adapter(cfg: ModelConfig, lora: lora_lib.LoRAConfig, params, out_dir: s
   os.replace(config_path + ".partial", config_path)
 
 
-def read_config(adapter_dir: str) -> lora_lib.LoRAConfig:
-  """The LoRAConfig (rank, alpha; targets from the weights, see `load_adapter`) of a PEFT adapter directory, refusing
+def _read_config(adapter_dir: str) -> tuple[int, float]:
+  """(rank, alpha) of a PEFT adapter directory (its targets are read from the weights, see `load_adapter`), refusing
   what an adapter of ours cannot represent."""
   path = os.path.join(adapter_dir, CONFIG_FILE)
   if not os.path.exists(path):
@@ -173,12 +174,11 @@ def read_config(adapter_dir: str) -> lora_lib.LoRAConfig:
                     "them uses none (lora.dropout must be 0).", path, config["lora_dropout"])
   modules = config.get("target_modules")
   if isinstance(modules, list):
-    unknown = sorted(set(modules) - {m.split(".")[1] for m in HF_MODULES.values()})
+    unknown = sorted({m.rsplit(".", 1)[-1] for m in modules} - set(_MODULE_NAMES))
     if unknown:
-      raise ValueError(f"{path}: target_modules {unknown} cannot be adapted here: our adapters cover "
-                       f"{sorted(m.split('.')[1] for m in HF_MODULES.values())} only (not embed_tokens or lm_head); "
-                       "retrain the adapter without them.")
-  return lora_lib.LoRAConfig(rank=rank, alpha=alpha)
+      raise ValueError(f"{path}: target_modules {unknown} cannot be adapted here: our adapters cover {_MODULE_NAMES} "
+                       "only (not embed_tokens or lm_head); retrain the adapter without them.")
+  return rank, alpha
 
 
 def load_adapter(adapter_dir: str, cfg: ModelConfig, base_params, *, mesh: jax.sharding.Mesh | None = None,
@@ -192,7 +192,7 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, base_params, *, mesh: jax.s
   Returns:
     (LoRAConfig, graphdef of the model with adapters, params: `base_params` with the adapters).
   """
-  lora = read_config(adapter_dir)
+  rank, alpha = _read_config(adapter_dir)
   path = os.path.join(adapter_dir, WEIGHTS_FILE)
   if not os.path.exists(path):
     raise FileNotFoundError(f"{adapter_dir} has no {WEIGHTS_FILE} (an adapter_model.bin of older peft: load it with "
@@ -203,10 +203,8 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, base_params, *, mesh: jax.s
     names = set(reader.keys())
     found = {t for t, m in HF_MODULES.items() if any(n.endswith(f".{m}.lora_A.weight") for n in names)}
     if not found:
-      raise ValueError(f"{path} holds no adapter of {sorted(m.split('.')[1] for m in HF_MODULES.values())}; its "
-                       f"tensors include {sorted(names)[:3]}.")
-    lora = lora_lib.LoRAConfig(rank=lora.rank, alpha=lora.alpha, targets=tuple(t for t in lora_lib.TARGETS
-                                                                                if t in found))
+      raise ValueError(f"{path} holds no adapter of {_MODULE_NAMES}; its tensors include {sorted(names)[:3]}.")
+    lora = lora_lib.LoRAConfig(rank=rank, alpha=alpha, targets=tuple(t for t in lora_lib.TARGETS if t in found))
     graphdef, abstract = _abstract(cfg, lora, mesh, rules)
     _check_base(abstract, base_params)
     tensors = adapter_tensors(cfg, abstract)
