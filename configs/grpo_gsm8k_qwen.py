@@ -12,6 +12,12 @@ size), `lr_rule=` and `seed=`, the arguments every family config shares. `model=
                   shapes of the released checkpoints; set `init_from` to the Hugging Face directory (config.json,
                   *.safetensors, tokenizer.json) and `task.path` to your GSM8K JSONL file. qwen3-30b-a3b is the
                   reference study's mixture of experts (30.5B parameters, 3.3B active: 128 experts, 8 per token).
+`lora=<rank>` trains LoRA adapters of that rank (alpha LORA_ALPHA) on the frozen base instead of every weight, with
+the LoRA family's base lr: LORA_BASE_LR at B0 (TINY_LORA_BASE_LR for the tiny models). `colab` sets one small
+accelerator's run (a Colab TPU v5e-1 or a 16 GB GPU: COLAB below and demos/grpo_qwen_colab.ipynb): one chip, prompts
+of at most 256 tokens and responses of 512, 8 prompts x 8 samples per step, micro-batches of 8, a short budget.
+With `lora=16` it fits qwen2.5-0.5b and qwen2.5-1.5b on one v5e chip; full fine-tuning of qwen2.5-1.5b does not
+(docs/results/2026-12-06-lora-v5e.md).
 `mesh=DxFxT` or `mesh=DxFxTxE` sets the (data, fsdp, tensor) mesh and optionally its expert axis E (default 1;
 MoE experts and the batch are split over it); -1 takes the remaining devices. Without `mesh`, the model's default
 (MESHES): 1x-1x1x8 for qwen3-30b-a3b (8 expert groups, fsdp over the rest), -1x1x1 otherwise.
@@ -25,6 +31,11 @@ Commands (from the repository root):
   python -m launch.train --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-0.5b,prompts=128 --workdir=/tmp/q05 \
       --config.init_from=/data/Qwen2.5-0.5B-Instruct --config.task.path=/data/gsm8k/train.jsonl \
       --config.task.eval_path=/data/gsm8k/test.jsonl
+  python -m launch.train --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-0.5b,lora=16,colab --workdir=/tmp/q05_lora \
+      --config.init_from=/data/Qwen2.5-0.5B-Instruct --config.task.path=/data/gsm8k/train.jsonl \
+      --config.task.eval_path=/data/gsm8k/test.jsonl
+  python -m launch.aot_check --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-1.5b,lora=16,colab --topology=v5e:1x1 \
+      --prompt_tokens=256 --response_tokens=512 --out=/tmp/aot_q15_lora
   python -m launch.train --distributed --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-7b,mesh=1x-1x4 ...
   python -m launch.train --distributed --config=configs/grpo_gsm8k_qwen.py:model=qwen3-30b-a3b,mesh=1x-1x1x8 \
       --config.init_from=/data/Qwen3-30B-A3B ...
@@ -43,6 +54,27 @@ BASE_LR = 1e-6  # lr0 at B0.
 TINY_GROUP_SIZE = 4  # The tiny_random smoke family: group size,
 TINY_BASE_BATCH = 16  # B0 in rollouts (4 prompts),
 TINY_BASE_LR = 1e-4  # and lr0 at B0.
+# LoRA (`lora=<rank>`): the adapters' lr is ~10x full fine-tuning's. TRL's "LoRA Without Regret" guide (Schulman et
+# al. 2025, reproduced with GRPO on SmolLM3-3B: https://huggingface.co/docs/trl/main/en/lora_without_regret) trains
+# LoRA at 1e-5 where full fine-tuning takes 1e-6, with alpha 32 at every rank (ranks 1-32 for RL): under LoRA's
+# alpha / rank scaling the best lr then hardly depends on the rank. We keep that alpha and put that lr at our B0 (TRL
+# ran 8 rollouts per optimizer step, so the sqrt rule from 1,024 rollouts makes ours the more cautious); untested on
+# the hardware here.
+LORA_ALPHA = 32.0  # alpha at every rank (2 x rank at the notebook's rank 16).
+LORA_BASE_LR = 1e-5  # lr0 of the LoRA family at B0 (10 x BASE_LR).
+# The tiny smoke family's LoRA lr0 at TINY_BASE_BATCH, by the same ratio (10 x TINY_BASE_LR). Its smoke run checks
+# the mechanics (the adapters get gradients and move), not learning: the 2-layer model learns no GSM8K at either lr.
+TINY_LORA_BASE_LR = 1e-3
+# `colab`: one chip of 16 GB (a Colab TPU v5e-1, a T4 GPU): the model's weights in bfloat16 (QWEN2), blocks
+# recomputed in the backward pass, 8 prompts x GROUP_SIZE samples per step (B = 64) in micro-batches of 8, prompts
+# cut at COLAB_PROMPT_TOKENS (+ the chat template: prompt_len <= 256) and responses at 512 tokens, and a budget of
+# 64 steps with a held-out evaluation of 128 GSM8K problems every 8 and a group of completions as text every step
+# (samples.jsonl). The prompt asks for the answer after '####', which the strict reward reads.
+COLAB_PROMPTS = 8
+COLAB_PROMPT_TOKENS = 216  # The question's tokens; Qwen2.5's chat template adds ~30 and the trainer 4 spare.
+COLAB_RESPONSE_TOKENS = 510  # + the trainer's 2 extra tokens (extra_response_tokens) = 512.
+COLAB_TEMPLATE = ("{question}\nThink step by step, then write the final answer as a number on its own line after "
+                  "'####'.")
 
 QWEN2 = dict(qkv_bias=True, rope_theta=1_000_000.0, norm_eps=1e-6, dtype="bfloat16", param_dtype="bfloat16")
 # Qwen3-MoE: QK-norm, no q/k/v bias, untied head, every layer a mixture of experts with renormalised top-k weights.
@@ -75,7 +107,8 @@ DEFAULT_MESH = "-1x1x1"
 
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
-  return parse_arg(arg, model="tiny_random", batch=0, prompts=0, lr_rule="sqrt", seed=0, mesh="", debug=False)
+  return parse_arg(arg, model="tiny_random", batch=0, prompts=0, lr_rule="sqrt", seed=0, mesh="", lora=0, colab=False,
+                   debug=False)
 
 
 def batch_size(batch: int, prompts: int, group_size: int, base_batch: int) -> int:
@@ -88,19 +121,28 @@ def batch_size(batch: int, prompts: int, group_size: int, base_batch: int) -> in
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """`arg`: 'model=<one of MODELS>,batch=<rollouts per step>,prompts=<per step>,lr_rule=<rule>,seed=<int>,
-  mesh=<DxFxT[xE]>,debug' (debug = the tiny_random smoke run). Without `batch` or `prompts`, the member is the
-  family's base."""
+  mesh=<DxFxT[xE]>,lora=<rank>,colab,debug' (debug = the tiny_random smoke run; colab = one small accelerator, a
+  real model). Without `batch` or `prompts`, the member is the family's base (with colab: COLAB_PROMPTS prompts)."""
   arg = parse(arg)
   if arg.debug:
     arg.model = "tiny_random"
   if arg.model not in MODELS:
     raise ValueError(f"model={arg.model!r}: use one of {sorted(MODELS)}.")
   tiny = arg.model in TINY
+  if arg.colab and tiny:
+    raise ValueError(f"colab sets a real model's run on one chip; model={arg.model} is a CPU smoke model already.")
   group_size = TINY_GROUP_SIZE if tiny else GROUP_SIZE  # The family scales prompts per step (P = B / G).
   base_batch = TINY_BASE_BATCH if tiny else BASE_PROMPTS * GROUP_SIZE
-  c = base.get_config(base.parse(f"lr_rule={arg.lr_rule},seed={arg.seed}"),
-                      batch=batch_size(arg.batch, arg.prompts, group_size, base_batch), group_size=group_size,
-                      base_lr=TINY_BASE_LR if tiny else BASE_LR, base_batch=base_batch)
+  if arg.lora:
+    base_lr = TINY_LORA_BASE_LR if tiny else LORA_BASE_LR
+  else:
+    base_lr = TINY_BASE_LR if tiny else BASE_LR
+  prompts = arg.prompts or (COLAB_PROMPTS if arg.colab and not arg.batch else 0)
+  c = base.get_config(base.parse(f"lr_rule={arg.lr_rule},seed={arg.seed},lora={arg.lora}"),
+                      batch=batch_size(arg.batch, prompts, group_size, base_batch), group_size=group_size,
+                      base_lr=base_lr, base_batch=base_batch)
+  if arg.lora:
+    c.lora.alpha = LORA_ALPHA
   c.task.update(gsm8k.default_config())
   c.task.name = "gsm8k"  # JSONL rows {"question", "answer": "... #### N"}; task.path "" = the bundled sample.
   c.task.extraction = "flexible" if tiny else "strict"  # Reward: the number after '####' (strict) or the last one.
@@ -126,7 +168,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval_every_samples = c.checkpoint_every_samples = 32
     c.log_every_steps = 1
     c.sft.update(steps=30, batch_size=8, warmup_steps=2, lr=3e-3)
+  if arg.colab:
+    colab(c, arg.mesh)
   return c
+
+
+def colab(c: ml_collections.ConfigDict, mesh: str) -> None:
+  """One 16 GB accelerator's run (the `colab` argument; COLAB_* above say what and why)."""
+  c.mesh = ml_collections.ConfigDict(sharding.mesh_sizes(mesh or "1x1x1"))
+  c.task.update(max_prompt_tokens=COLAB_PROMPT_TOKENS, max_response_tokens=COLAB_RESPONSE_TOKENS,
+                prompt_template=COLAB_TEMPLATE, num_eval=128)
+  c.micro_batch_size = 8
+  c.score_micro_batch_size = 16
+  c.sample_budget = 64 * COLAB_PROMPTS * GROUP_SIZE
+  c.eval_every_samples = 8 * COLAB_PROMPTS * GROUP_SIZE
+  c.checkpoint_every_samples = 16 * COLAB_PROMPTS * GROUP_SIZE
+  c.log_every_steps = 1
+  c.log_samples_every_steps = 1
 
 
 def sweep() -> list[dict]:
