@@ -144,18 +144,21 @@ def test_export_round_trip_loads_in_transformers(checkpoint, name, tmp_path):
 
 PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 ATTENTION, MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
-# peft (0.21) on transformers 5 maps gate/up/down_proj targets of a Qwen3-MoE model onto its fused experts
-# (target_parameters), dense layers included: adapters of the MoE family cover attention only in these tests.
-TARGETS = {name: ATTENTION if name == "qwen3_moe" else ATTENTION + MLP for name in PEFT_FAMILIES}
+# peft 0.21 on transformers 5 loads per-expert adapters (our target "experts") by fusing them onto the fused expert
+# parameters; but it maps every gate/up/down_proj target of a Qwen3-MoE model onto those experts (a dense layer's MLP
+# then gets none), and it saves expert adapters fused (`target_parameters`, which we refuse). So the MoE family's
+# adapters are attention + experts from ours, attention only from peft.
+OURS_TARGETS = {name: ATTENTION + (("experts",) if name == "qwen3_moe" else MLP) for name in PEFT_FAMILIES}
+PEFT_TARGETS = {name: ATTENTION if name == "qwen3_moe" else ATTENTION + MLP for name in PEFT_FAMILIES}
 
 
 @pytest.mark.parametrize("name", PEFT_FAMILIES)
 def test_our_adapter_loads_in_peft_with_our_logits(checkpoint, name, tmp_path):
   """Random adapters (b non-zero), saved by save_pretrained, loaded by PeftModel.from_pretrained onto the
-  transformers model of the same base."""
+  transformers model of the same base (an MoE model's: one adapter per expert, which peft fuses as it loads)."""
   peft = pytest.importorskip("peft")
   model, (cfg, base_graphdef, params) = checkpoint(name)
-  lora = lora_lib.LoRAConfig(rank=4, alpha=8.0, targets=TARGETS[name])
+  lora = lora_lib.LoRAConfig(rank=4, alpha=8.0, targets=OURS_TARGETS[name])
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   graphdef, abstract = sharding.abstract_sharded(lambda: Transformer(cfg, nnx.Rngs(0), lora=lora), mesh,
                                                  sharding.DEFAULT_RULES)
@@ -177,7 +180,7 @@ def test_peft_adapter_loads_in_ours_with_peft_logits(checkpoint, name, tmp_path)
   """An adapter peft made (random A and B), saved by peft, loaded onto our base params."""
   peft = pytest.importorskip("peft")
   model, (cfg, _, params) = checkpoint(name)
-  targets = [hf_peft.HF_MODULES[t].split(".")[1] for t in TARGETS[name]]
+  targets = [hf_peft.HF_MODULES[t].split(".")[1] for t in PEFT_TARGETS[name]]
   config = peft.LoraConfig(r=4, lora_alpha=12, init_lora_weights=False, task_type="CAUSAL_LM", target_modules=targets)
   theirs = peft.get_peft_model(copy.deepcopy(model), config).eval()
   gen = torch.Generator().manual_seed(1)
@@ -187,7 +190,7 @@ def test_peft_adapter_loads_in_ours_with_peft_logits(checkpoint, name, tmp_path)
         p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
   theirs.save_pretrained(str(tmp_path / "adapter"))
   lora, graphdef, ours = hf_peft.load_adapter(str(tmp_path / "adapter"), cfg, params)
-  assert lora == lora_lib.LoRAConfig(rank=4, alpha=12.0, targets=TARGETS[name])
+  assert lora == lora_lib.LoRAConfig(rank=4, alpha=12.0, targets=PEFT_TARGETS[name])
   tokens, valid = _batch(2, 12, pad=4)
   got = np.asarray(_jit_logits(graphdef, ours, tokens, valid))[valid]
   assert np.abs(got - _hf_logits(model, tokens, valid)[valid]).max() > 0.1  # the adapter matters

@@ -172,6 +172,49 @@ def test_some_targets_and_moe_layers(tmp_path):
   np.testing.assert_array_equal(_logits(loaded_graphdef, loaded), _logits(graphdef, params))
 
 
+def test_expert_adapters_are_one_peft_pair_per_expert(tmp_path):
+  """The target "experts": PEFT's per-expert names (transformers 4's Linears, which peft fuses for transformers 5),
+  a regex that leaves the dense layer's MLP out, an exact round trip, and a merged export with the same logits."""
+  lora = lora_lib.LoRAConfig(rank=2, alpha=4.0, targets=("q", "experts"))
+  graphdef, params = _random_params(MOE, lora, seed=3)
+  save_pretrained(MOE, params, str(tmp_path / "adapter"), lora=lora)
+  tensors = safetensors_numpy.load_file(str(tmp_path / "adapter" / peft.WEIGHTS_FILE))
+  want = {f"{PREFIX}{i}.self_attn.q_proj.lora_{x}.weight": (2, 64) if x == "A" else (64, 2)
+          for i in range(3) for x in "AB"}
+  for i in (0, 2):  # MoE layers: 4 experts of D 64, moe_d_ff 32
+    for j in range(4):
+      for module, (n_in, n_out) in dict(gate_proj=(64, 32), up_proj=(64, 32), down_proj=(32, 64)).items():
+        want[f"{PREFIX}{i}.mlp.experts.{j}.{module}.lora_A.weight"] = (2, n_in)
+        want[f"{PREFIX}{i}.mlp.experts.{j}.{module}.lora_B.weight"] = (n_out, 2)
+  assert {k: v.shape for k, v in tensors.items()} == want
+  down = params["blocks"][2]["mlp"]["w_down_lora"]  # a (E, F, r), b (E, r, D)
+  np.testing.assert_array_equal(tensors[f"{PREFIX}2.mlp.experts.3.down_proj.lora_A.weight"], np.asarray(down["a"])[3].T)
+  np.testing.assert_array_equal(tensors[f"{PREFIX}2.mlp.experts.3.down_proj.lora_B.weight"], np.asarray(down["b"])[3].T)
+  with open(tmp_path / "adapter" / peft.CONFIG_FILE) as f:
+    pattern = json.load(f)["target_modules"]
+  names = ("model.layers.0.mlp.experts.3.gate_proj", "model.layers.2.mlp.experts.down_proj",  # (transformers 5's)
+           "model.layers.1.mlp.up_proj", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.gate",
+           "model.layers.0.self_attn.k_proj")
+  assert [n for n in names if re.fullmatch(pattern, n)] == list(names[:2]) + [names[3]]
+  every = lora_lib.LoRAConfig(rank=2, targets=tuple(lora_lib.TARGETS))  # names alone say it: no regex
+  assert peft.adapter_config(MOE, every)["target_modules"] == sorted(
+      ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+  save_pretrained(MOE, lora_lib.split(params)[1], str(tmp_path / "base"))
+  _, loaded_graphdef, loaded = from_pretrained(str(tmp_path / "base"), adapter=str(tmp_path / "adapter"))
+  assert_trees_equal(params, loaded)
+  np.testing.assert_array_equal(_logits(loaded_graphdef, loaded), _logits(graphdef, params))
+  save_pretrained(MOE, params, str(tmp_path / "merged"), lora=lora, merged=True)
+  np.testing.assert_allclose(_logits(*from_pretrained(str(tmp_path / "merged"))[1:]), _logits(graphdef, params),
+                             atol=1e-5)
+
+  def drop_one_expert(tensors):
+    del tensors[f"{PREFIX}0.mlp.experts.1.up_proj.lora_B.weight"]
+  with pytest.raises(ValueError, match="experts.1.up_proj.lora_B.weight is missing"):
+    from_pretrained(str(tmp_path / "base"), adapter=_edited(str(tmp_path / "adapter"), str(tmp_path / "cut"),
+                                                            edit_tensors=drop_one_expert))
+
+
 def _edited(adapter, out, config_update=None, edit_tensors=None):
   shutil.copytree(adapter, out)
   with open(os.path.join(out, peft.CONFIG_FILE)) as f:

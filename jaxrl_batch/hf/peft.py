@@ -4,7 +4,8 @@ PEFT adapts a Hugging Face Linear `<m>` (weight (out, in)) with `base_model.mode
 `...lora_B.weight` (out, r) and adds (lora_alpha / r) B A x; ours adapts a weight stored (in..., out...) with `a`
 (in..., r) and `b` (r, out...) scaled by alpha / rank (`model.lora`). So lora_A is our `a` laid out like the weight's
 in axes, lora_B our `b` laid out like its out axes, each flattened the way `layout` flattens the weight itself: wq
-(D, N, H) is q_proj.weight (N*H, D), its `b` (r, N, H) is q_proj.lora_B.weight (N*H, r).
+(D, N, H) is q_proj.weight (N*H, D), its `b` (r, N, H) is q_proj.lora_B.weight (N*H, r). An expert stack's adapter
+(a (E, in, r), b (E, r, out)) is one such pair per expert, `mlp.experts.{j}.gate_proj.lora_A.weight` and so on.
 
 What we cannot represent (other modules, per-module ranks, DoRA, rsLoRA, biases, a subset of layers, ...) is
 refused when loading, naming the field and what to do.
@@ -12,6 +13,7 @@ refused when loading, naming the field and what to do.
 import json
 import logging
 import os
+import re
 
 import jax
 import numpy as np
@@ -32,6 +34,10 @@ _PREFIX = "base_model.model."
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _MODULE_NAMES = sorted(m.split(".")[1] for m in HF_MODULES.values())
+_MLP = ("gate_proj", "up_proj", "down_proj")
+# The target "experts": each expert's gate/up/down_proj of an MoE layer, one adapter per expert, as PEFT names them
+# on transformers 4's per-expert Linears (peft converts them for transformers 5's fused experts as it loads).
+_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.lora_A\.weight$")
 # adapter_config.json fields whose non-default values change what an adapter computes in ways we cannot represent.
 _UNSUPPORTED = {
     "use_dora": "DoRA (weight-decomposed LoRA) adapters",
@@ -51,22 +57,25 @@ _UNSUPPORTED = {
 
 
 def adapter_tensors(cfg: ModelConfig, abstract) -> list[layout.Tensor]:
-  """The PEFT tensor of each adapter leaf of `abstract` (a params tree with adapters), with the axes that lay it out
-  as PEFT stores it."""
-  weights = {t.path: t for t in layout.tensors(cfg) if t.expert is None}
+  """The PEFT tensors of each adapter leaf of `abstract` (a params tree with adapters), with the axes that lay them
+  out as PEFT stores them: one tensor per leaf, or for an expert stack's adapter one per expert (`Tensor.expert`)."""
+  weights = {}
+  for t in layout.tensors(cfg):
+    weights.setdefault(t.path, []).append(t)
   out = []
   for path, _ in jax.tree_util.tree_flatten_with_path(lora_lib.split(abstract)[0])[0]:
     keys = tuple(k.key for k in path)
     node, leaf = keys[-2], keys[-1]
-    weight = weights[keys[:-2] + (node.removesuffix(lora_lib.SUFFIX),)]
-    out_group, in_group = weight.axes
-    contract = len(in_group)
-    assert min(out_group) >= contract > max(in_group), weight  # a Linear's [out, in]
-    module = _PREFIX + weight.name.removesuffix("weight")
-    if leaf == "a":  # (in..., r) -> [r, in]
-      out.append(layout.Tensor(module + "lora_A.weight", keys, ((contract,), in_group)))
-    else:  # (r, out...) -> [out, r]
-      out.append(layout.Tensor(module + "lora_B.weight", keys, (tuple(1 + a - contract for a in out_group), (0,))))
+    for weight in weights[keys[:-2] + (node.removesuffix(lora_lib.SUFFIX),)]:
+      out_group, in_group = weight.axes
+      contract = len(in_group)
+      assert min(out_group) >= contract > max(in_group), weight  # a Linear's [out, in]
+      module = _PREFIX + weight.name.removesuffix("weight")
+      if leaf == "a":  # (in..., r) -> [r, in]
+        axes, name = ((contract,), in_group), module + "lora_A.weight"
+      else:  # (r, out...) -> [out, r]
+        axes, name = (tuple(1 + a - contract for a in out_group), (0,)), module + "lora_B.weight"
+      out.append(layout.Tensor(name, keys, axes, weight.expert))
   return out
 
 
@@ -79,16 +88,20 @@ def _abstract(cfg: ModelConfig, lora: lora_lib.LoRAConfig, mesh, rules):
 def adapter_config(cfg: ModelConfig, lora: lora_lib.LoRAConfig, base_model_name_or_path: str = "") -> dict:
   """The adapter_config.json of `lora` on a model of `cfg`, as PEFT writes it for a LoRA of a causal LM.
 
-  target_modules lists module names, except in a model with MoE layers and MLP targets: there a regex names the dense
-  layers' MLP modules only (our experts carry no adapters; a plain "gate_proj" would also match the experts' modules
-  of transformers 4).
+  target_modules lists module names, as PEFT matches them against the end of each module's name. A name such as
+  "gate_proj" matches the dense MLPs' and the experts' alike, so where the two differ (an MoE model with dense
+  layers, or experts adapted and dense MLPs not) a regex names each instead.
   """
-  modules = [HF_MODULES[t].split(".")[1] for t in lora.targets]
-  mlp = [m for t, m in zip(lora.targets, modules) if HF_MODULES[t].startswith("mlp.")]
-  targets = sorted(modules)
-  if cfg.moe_layers and mlp:
-    attn = sorted(set(modules) - set(mlp))
-    parts = ([rf"self_attn\.({'|'.join(attn)})"] if attn else []) + [rf"mlp\.({'|'.join(sorted(mlp))})"]
+  names = [HF_MODULES[t].split(".")[1] for t in lora.targets if t in HF_MODULES]
+  attn = sorted(n for n in names if n not in _MLP)
+  has_dense = len(cfg.moe_layers) < cfg.num_layers
+  dense = sorted(n for n in names if n in _MLP) if has_dense else []
+  experts = list(_MLP) if cfg.moe_layers and "experts" in lora.targets else []
+  mlp = set(dense) | set(experts)
+  targets = sorted(set(attn) | mlp)
+  if (has_dense and set(dense) != mlp) or (cfg.moe_layers and set(experts) != mlp):
+    parts = [rf"{where}({'|'.join(group)})" for where, group in (
+        (r"self_attn\.", attn), (r"mlp\.", dense), (r"mlp\.experts\.(\d+\.)?", experts)) if group]
     targets = rf".*\.layers\.\d+\.({'|'.join(parts)})"
   alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
   return dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path or None,
@@ -130,7 +143,9 @@ def save_adapter(cfg: ModelConfig, lora: lora_lib.LoRAConfig, params, out_dir: s
                      f"{lora.rank} on this model implies {shapes[wrong[0]]}; pass the LoRAConfig the params were "
                      "built with.")
   out_dtype = np.dtype(dtype or np.float32)
-  weights = {t.name: np.ascontiguousarray(layout.to_hf(_to_host(leaves[t.path]), t.axes).astype(out_dtype))
+  host = {path: _to_host(x) for path, x in leaves.items()}
+  weights = {t.name: np.ascontiguousarray(layout.to_hf(host[t.path] if t.expert is None else host[t.path][t.expert],
+                                                       t.axes).astype(out_dtype))
              for t in tensors}
   config = adapter_config(cfg, lora, base_model_name_or_path)
   if jax.process_index() != 0:
@@ -185,8 +200,9 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, base_params, *, mesh: jax.s
                  rules=None):
   """Reads a PEFT LoRA adapter directory (ours or one peft wrote) onto the base params of a model of `cfg`.
 
-  The adapted projections are those the weights file holds; it must adapt them in every layer (of the MLP ones, in
-  every dense layer) and nothing else. Each adapter is sharded by `rules` over `mesh` as it loads (default: the
+  The adapted projections are those the weights file holds; it must adapt them in every layer (the MLP ones: in every
+  dense layer; the experts, in PEFT's per-expert names: each expert's gate, up and down_proj of every MoE layer) and
+  nothing else. Each adapter is sharded by `rules` over `mesh` as it loads (default: the
   first device), float32 whatever the file's dtype.
 
   Returns:
@@ -202,6 +218,7 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, base_params, *, mesh: jax.s
   with safe_open(path, framework="np") as reader:
     names = set(reader.keys())
     found = {t for t, m in HF_MODULES.items() if any(n.endswith(f".{m}.lora_A.weight") for n in names)}
+    found |= {"experts"} if any(_EXPERT.search(n) for n in names) else set()
     if not found:
       raise ValueError(f"{path} holds no adapter of {_MODULE_NAMES}; its tensors include {sorted(names)[:3]}.")
     lora = lora_lib.LoRAConfig(rank=rank, alpha=alpha, targets=tuple(t for t in lora_lib.TARGETS if t in found))
@@ -210,19 +227,28 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, base_params, *, mesh: jax.s
     tensors = adapter_tensors(cfg, abstract)
     _check_tensors(path, reader, tensors, abstract, lora)
 
-    def load(t: layout.Tensor, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    def read(t: layout.Tensor, shape, index) -> np.ndarray:
+      return layout.read_block(lambda hf_index: reader.get_slice(t.name)[hf_index], shape, t.axes, index)
+
+    def load(parts: list[layout.Tensor], spec: jax.ShapeDtypeStruct) -> jax.Array:
+      """One adapter leaf, each device reading its block (of an expert stack's: its experts' tensors, stacked)."""
       def block(index):
-        read = lambda hf_index: reader.get_slice(t.name)[hf_index]  # noqa: E731
-        return layout.read_block(read, spec.shape, t.axes, index).astype(spec.dtype)
+        if parts[0].expert is None:
+          return read(parts[0], spec.shape, index).astype(spec.dtype)
+        return np.stack([read(parts[j], spec.shape[1:], index[1:])
+                         for j in range(*index[0].indices(spec.shape[0])[:2])]).astype(spec.dtype)
       return jax.make_array_from_callback(spec.shape, spec.sharding, block)
 
+    by_path = {}
+    for t in tensors:
+      by_path.setdefault(t.path, []).append(t)
     specs = {tuple(k.key for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     adapters = {}
-    for t in tensors:
+    for path, parts in by_path.items():
       node = adapters
-      for key in t.path[:-1]:
+      for key in path[:-1]:
         node = node.setdefault(key, {})
-      node[t.path[-1]] = load(t, specs[t.path])
+      node[path[-1]] = load(sorted(parts, key=lambda t: t.expert or 0), specs[path])
   return lora, graphdef, lora_lib.merge(base_params, adapters)
 
 
@@ -241,16 +267,16 @@ def _check_tensors(path: str, reader, tensors: list[layout.Tensor], abstract, lo
   extra = sorted(names - expected)
   if extra:
     raise ValueError(f"{path}: tensor {extra[0]} ({len(extra)} unexpected in all) is not an adapter of ours: we adapt "
-                     f"{sorted(HF_MODULES.values())} of each layer (an MoE layer's experts and router, embed_tokens "
-                     "and lm_head get none); retrain the adapter without it.")
+                     f"{sorted(HF_MODULES.values())} of each layer and each expert's {list(_MLP)} (the router, "
+                     "embed_tokens and lm_head get none); retrain the adapter without it.")
   missing = sorted(expected - names)
   if missing:
     raise ValueError(f"{path}: tensor {missing[0]} is missing ({len(missing)} in all): the adapter targets "
-                     f"{list(lora.targets)} but not in every layer; adapters on a subset of layers cannot be "
-                     "represented: retrain it on every layer.")
+                     f"{list(lora.targets)} but not in every layer (experts: not every expert's gate, up and "
+                     "down_proj); adapters on a subset cannot be represented: retrain it on every layer.")
   shapes = {tuple(k.key for k in p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   for t in tensors:
-    want = layout.hf_shape(shapes[t.path], t.axes)
+    want = layout.hf_shape(t.shape_of(shapes[t.path]), t.axes)
     got = tuple(reader.get_slice(t.name).get_shape())
     if got != want:
       raise ValueError(f"{path}: tensor {t.name} has shape {got}, but r={lora.rank} on this model implies {want}; "
