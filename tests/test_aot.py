@@ -13,6 +13,7 @@ import pytest
 
 from configs import grpo_gsm8k_qwen
 from jaxrl_batch.kernels import train_attention
+from jaxrl_batch.model import lora
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.train import aot
 from tests.helpers import ATTENTION_B, ATTENTION_T, compiled_attention
@@ -133,6 +134,26 @@ def test_chunked_logits_and_rollout_blocks_compile_for_v5e():
     assert rollout.status == "fits" and rollout.memory.peak_bytes > 0 and rollout.cost.flops > 0, rollout.verdict
     assert (f"{4 * slots} rows" if slots else "16 rows") in rollout.shape
 
+
+
+@pytest.mark.slow
+def test_the_lora_update_compiles_for_one_v5e_chip_with_optimizer_state_for_the_adapters_only(compile_only_tpu):
+  """One v5e chip (Colab's v5e-1: v5e:1x1) and LoRA: the update the AOT check compiles fits, and the optimizer state
+  among its arguments is Adam's two moments of the adapters, nothing of the frozen base."""
+  topology = compile_only_tpu("v5e:1x1")
+  assert topology.num_chips == 1 and topology.hbm_bytes == topologies.CHIPS["v5e"].hbm_bytes
+  config = grpo_gsm8k_qwen.get_config("model=tiny_random,lora=4")
+  report = aot.check(config, "v5e:1x1", programs=("update",), prompt_len=32, response_len=32)
+  assert report.program("update").status == "fits", report.program("update").verdict
+  step = aot._Step.build(aot._experiment(config, topology.devices, 32, 32))  # pylint: disable=protected-access
+  fn, args, kwargs, _, _ = aot.BUILDERS["update"](step)
+  with jax.set_mesh(step.exp.mesh):
+    state = fn.lower(*args, **kwargs).compile().args_info[0][0]  # the compiled program's state argument
+  adapters, base = lora.split(state["params"])
+  size = lambda leaves: sum(int(np.prod(x.shape)) for x in leaves)
+  moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.shape]  # Adam's mu and nu (scalars: its count)
+  assert sorted(x.shape for x in moments) == sorted(2 * [x.shape for x in jax.tree.leaves(adapters)])
+  assert size(moments) == 2 * size(jax.tree.leaves(adapters)) < size(jax.tree.leaves(base)) / 2
 
 # GPU nodes: the JAX CUDA plugin's compile-only devices, from the target descriptions in jaxrl_batch/runtime/gpu_specs.
 

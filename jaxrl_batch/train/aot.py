@@ -209,7 +209,7 @@ def _experiment(config: ml_collections.ConfigDict, devices, prompt_len: int, res
     member = dataclasses.replace(member, algo=dataclasses.replace(member.algo, loss_agg_constant=float(response_len)))
   packing = packing_for(config.micro_batch_tokens, prompt_len + response_len, data_parallel)
   return Experiment(config, member, mesh, tokenizer, task, None, ModelConfig.from_config(config.model), prompt_len,
-                    response_len, chat, packing)
+                    response_len, chat, packing, lora.LoRAConfig.from_config(config.lora))
 
 
 def _abstract_critic(exp: Experiment):
