@@ -65,18 +65,6 @@ def _compiled(name: str, step: aot._Step):  # pylint: disable=protected-access
     return fn.lower(*args, **kwargs).compile()
 
 
-def _engine_step(config: ml_collections.ConfigDict, devices, prompt_len: int, response_len: int, slots: int):
-  """The step (`aot._Step`) of `config` with its rollout on the continuous engine's `slots` slots per data-parallel
-  shard, and that engine's inputs: what the decode step and the prefill compile against."""
-  config = ml_collections.ConfigDict(config.to_dict())
-  config.sampling.engine, config.sampling.slots = "continuous", slots
-  step = aot._Step.build(aot._experiment(config, devices, prompt_len, response_len))  # pylint: disable=protected-access
-  inputs = aot._engine_inputs(step, False)  # pylint: disable=protected-access
-  if isinstance(inputs, str):
-    raise ValueError(f"The decode step of {slots} slots per shard cannot be laid out: {inputs}")
-  return step, inputs
-
-
 def target(topology: str, config: ml_collections.ConfigDict, num_slices: int = 1) -> tuple[tuple, Rates]:
   """(devices, rates) of `topology`: `num_slices` slices of a TPU topology ('v5p:4x4x2') as compile-only devices at
   the chip's published rates, or CPU: this machine's CPU devices at the rates measured now in the compute dtype of
@@ -132,7 +120,11 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
     raise ValueError(f"{len(lengths_B)} response lengths for a member of batch {m.batch_size}: give one a rollout.")
   dp = sharding.data_parallel_size(exp.mesh)
   block = engine.slots * dp or m.batch_size  # rows decoding at once on the slice
-  step, inputs = _engine_step(config, devices, exp.prompt_len, exp.response_len, block // dp)
+  # The member's step with its rollout on `block` slots: the decode step, the prefill and the learner's programs
+  # (which the engine's settings leave unchanged) compile against it.
+  step, inputs = decode_roofline.engine_step(config, devices, exp.prompt_len, exp.response_len, block // dp)
+  if isinstance(inputs, str):
+    raise ValueError(f"The decode step of {block // dp} slots per shard cannot be laid out: {inputs}")
   backend = decode_roofline.resolved_backend_for(exp.mesh, engine.attention_backend)
   shape = dict(max_new_tokens=exp.response_len, prompt_len=exp.prompt_len, group_size=m.group_size, backend=backend)
   if engine.engine == "continuous":
@@ -152,9 +144,8 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   decode_seconds(block, max(s.cache_length for s in schedule.segments) if schedule.segments else
                  inputs["state"].cache.length)
   programs["decode"] = by_length[max(by_length)]
-  learner = aot._Step.build(exp)  # pylint: disable=protected-access
   for name in ("score", "reference", "update"):
-    compiled = _compiled(name, learner)
+    compiled = _compiled(name, step)
     if compiled is not None:
       programs[name] = program_time(compiled, rates)
   seconds = lambda name, times: programs[name].seconds * times if name in programs else 0.0

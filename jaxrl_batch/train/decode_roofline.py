@@ -92,6 +92,16 @@ def roofline_bytes(step_: aot._Step, rows: int, length: int) -> tuple[float, flo
   return weights, float(cache)
 
 
+def engine_step(config: ml_collections.ConfigDict, devices, prompt_len: int, response_len: int, slots: int):
+  """(the step of `config` (`aot._Step`) with its rollout on the continuous engine's `slots` slots per data-parallel
+  shard, that engine's inputs): what the decode step and the prefill compile against; the inputs are the reason
+  (a str) where the engine cannot be laid out. `config` is not changed."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.sampling.engine, config.sampling.slots = "continuous", slots
+  step_ = aot._Step.build(aot._experiment(config, devices, prompt_len, response_len))  # pylint: disable=protected-access
+  return step_, aot._engine_inputs(step_, False)  # pylint: disable=protected-access
+
+
 def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, prompt_len: int,
             response_len: int) -> tuple[dict, list[Point]]:
   """Compiles `step` for each concurrency (slots decoding at once on the slice: `sampling.slots` x the data-parallel
@@ -106,12 +116,7 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
       points.append(Point(concurrency, 0, None, None, None, 0.0, 0.0, 0.0, 0,
                           error=f"not a multiple of the mesh's {data_parallel} data-parallel shards"))
       continue
-    with config.unlocked():
-      config.sampling.engine = "continuous"
-      config.sampling.slots = concurrency // data_parallel
-    exp = aot._experiment(config, topo.devices, prompt_len, response_len)  # pylint: disable=protected-access
-    step_ = aot._Step.build(exp)  # pylint: disable=protected-access
-    inputs = aot._engine_inputs(step_, False)  # pylint: disable=protected-access
+    step_, inputs = engine_step(config, topo.devices, prompt_len, response_len, concurrency // data_parallel)
     if isinstance(inputs, str):
       points.append(Point(concurrency, 0, None, None, None, 0.0, 0.0, 0.0, 0, error=inputs))
       continue
