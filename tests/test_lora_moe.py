@@ -77,7 +77,7 @@ def test_experts_target_gives_each_stack_a_per_expert_adapter_sharded_with_its_e
     mlp = model.blocks[layer].mlp
     for stack, (in_name, out_name) in names.items():
       adapter = getattr(mlp, stack + "_lora")
-      (fan_in, fan_out) = shapes[stack]
+      fan_in, fan_out = shapes[stack]
       assert adapter.a[...].shape == (e, fan_in, r) and adapter.b[...].shape == (e, r, fan_out)
       assert adapter.a[...].dtype == adapter.b[...].dtype == jnp.float32
       assert not np.any(adapter.b[...]) and np.all(np.abs(adapter.a[...]).sum(axis=(1, 2)) > 0)
@@ -137,6 +137,7 @@ def _logits(graphdef, params, tokens, valid):
   return jax.jit(lambda p: sequence_logits(graphdef, p, tokens, valid))(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["looped", "grouped"])
 def test_moe_model_with_expert_adapters_gives_its_merged_weights_logits(path, monkeypatch):
   """Logits (and the hidden states under replayed routing) of the model with random adapters equal those of a model
@@ -167,6 +168,7 @@ def test_moe_model_with_expert_adapters_gives_its_merged_weights_logits(path, mo
   np.testing.assert_allclose(hidden, want, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_adapter_gradients_reach_every_expert_adapter_and_equal_the_merged_weights_chain_rule():
   """jax.grad of the loss in the adapters only (`lora.split`, merged back with `lora.merge`): a gradient for each
   adapter and no base weight, equal to differentiating a model without adapters through `lora.merged`. At init
@@ -197,6 +199,7 @@ def test_adapter_gradients_reach_every_expert_adapter_and_equal_the_merged_weigh
   assert not np.any(at_init["a"]) and np.abs(at_init["b"]).max() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, rows, moe_chunk", [((1, 1, 1, 8), 8, CFG.moe_chunk),
                                                          ((1, 1, 2, 4), 8, 5), ((2, 1, 2, 2), 2, CFG.moe_chunk)])
 def test_expert_parallel_mesh_gives_the_merged_weights_loss_and_the_same_adapter_grads(mesh_shape, rows, moe_chunk):
