@@ -186,6 +186,9 @@ def test_a_lora_run_learns_under_a_kl_term_and_resumes_to_the_same_result(tmp_pa
   trainer.lock.release()
   adapters, base = lora.split(state["params"])
   moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
-  assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(adapters))
+  trained = sum(x.size for x in jax.tree.leaves(adapters))
+  assert sum(x.size for x in moments) == 2 * trained
+  derived = rundir.read_config(str(tmp_path / "straight"))["derived"]
+  assert derived["trainable_params"] == trained < derived["num_params"]
   _, warm_start, _ = sft.load_or_train(trainer.exp)
   jax.tree.map(np.testing.assert_array_equal, base, warm_start)  # Frozen through six updates.

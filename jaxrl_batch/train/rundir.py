@@ -1,7 +1,7 @@
 """The run directory: the one module that knows its files and their formats.
 
   config.json     {"config": the run's ConfigDict as JSON, "derived": the member's derived values (`Member.to_json`),
-                   num_params, base_policy[, "branched_from": source workdir, step, samples, changed fields
+                   num_params, trainable_params, base_policy[, "branched_from": source workdir, step, samples, changed fields
                    (`train.branch`)]}; written whole, then renamed, when a run starts from step 0.
   metrics.jsonl   one JSON object per line, appended as the run goes (training rows and evaluation rows, which hold
                    `eval_accuracy`), trimmed on resume to the restored step; non-finite floats are written as null.

@@ -177,3 +177,8 @@ class Experiment:
     logging.info("Model: %.2fM parameters; tokenizer %s (%d ids); prompt %d + response %d tokens.",
                  self.model_cfg.num_params() / 1e6, self.tokenizer.path, self.tokenizer.vocab_size,
                  self.prompt_len, self.response_len)
+    if self.lora is not None:
+      adapters = sum(x.size for x in jax.tree.leaves(lora_lib.split(self.abstract_params(adapters=True)[1])[0]))
+      logging.info("LoRA: rank %d, alpha %g on %s: %.2fM trainable parameters (%.2f%% of the model's); the base is "
+                   "frozen.", self.lora.rank, self.lora.alpha, ",".join(self.lora.targets), adapters / 1e6,
+                   100 * adapters / self.model_cfg.num_params())
