@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs.base import algo_config
-from jaxrl_batch.model import Transformer, causal_mask, positions_from_valid
+from jaxrl_batch.model import Transformer, causal_mask, compute_copy, positions_from_valid
 from jaxrl_batch.model import lora
 from jaxrl_batch.rl.forward import ModelDefs
 from jaxrl_batch.rl.update import update
@@ -192,3 +192,14 @@ def test_a_lora_run_learns_under_a_kl_term_and_resumes_to_the_same_result(tmp_pa
   assert derived["trainable_params"] == trained < derived["num_params"]
   _, warm_start, _ = sft.load_or_train(trainer.exp)
   jax.tree.map(np.testing.assert_array_equal, base, warm_start)  # Frozen through six updates.
+
+
+def test_the_samplers_bfloat16_copy_computes_the_trainers_logits():
+  """Under bfloat16 compute the engines read the policy cast once (`model.compute_copy`), float32 adapters
+  included: its logits equal the trainer's forward of the float32 adapters bit for bit (logp_gap_mean stays 0)."""
+  cfg = tiny_config(dtype="bfloat16", param_dtype="bfloat16")
+  graphdef, params = lora_model(cfg, lora.LoRAConfig(rank=3, alpha=5.0))  # a scale that rounds in bfloat16
+  assert {x.dtype for x in jax.tree.leaves(lora.split(params)[0])} == {jnp.dtype(jnp.float32)}
+  sampler = compute_copy(params, cfg.compute_dtype)
+  assert {x.dtype for x in jax.tree.leaves(lora.split(sampler)[0])} == {jnp.dtype(jnp.bfloat16)}
+  np.testing.assert_array_equal(logits(graphdef, sampler, TOKENS), logits(graphdef, params, TOKENS))
