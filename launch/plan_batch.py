@@ -21,7 +21,6 @@ engine's schedule of responses drawn from --lengths (`predict.step_time`); nothi
       --lengths=lognormal:2048:0.8
 """
 import json
-import logging
 import os
 
 from absl import app, flags
@@ -85,7 +84,7 @@ def main(argv):
                 rule=FLAGS.rule, target=analysis["target"], sweep=sweep)
   for row in result["rows"]:
     if row["batch"] in steps:
-      row["step"] = _step_json(steps[row["batch"]])
+      row["step"] = steps[row["batch"]].to_json()
   with open(os.path.join(FLAGS.workdir, "plan.json"), "w") as f:
     json.dump(result, f, indent=2)
   table = planner.render(result)
@@ -120,26 +119,9 @@ def _predicted_steps(batches: list[int]) -> dict[int, step_time.StepTime]:
   """Each batch's member (as the sweep builds it) predicted on --topology with lengths drawn from --lengths."""
   path, _, base_arg = FLAGS.config.partition(":")
   module = load_config_module(path)
-  steps, rates = {}, None
-  for batch in batches:
-    config = member_config(module, base_arg, dict(batch=batch, lr_rule=FLAGS.rule, seed=0), FLAGS.set)
-    if rates is None:  # measured once on this machine's CPU: every member at the same rates
-      rates = step_time.target(FLAGS.topology, config, FLAGS.num_slices)[1]
-    drawn = lengths.response_lengths(FLAGS.lengths, batch, FLAGS.response_tokens)
-    steps[batch] = step_time.predict(config, FLAGS.topology, drawn, prompt_len=FLAGS.prompt_tokens,
-                                     response_len=FLAGS.response_tokens, num_slices=FLAGS.num_slices, rates=rates)
-    logging.info("Batch %d: %.4f s a step predicted on %s, %.1f samples/s.", batch, steps[batch].seconds,
-                 FLAGS.topology, steps[batch].samples_per_s)
-  return steps
-
-
-def _step_json(step: step_time.StepTime) -> dict:
-  """A predicted step's parts (plan.json rows' `step`)."""
-  return dict(seconds=step.seconds, rollout_s=step.rollout.seconds, decode_s=step.rollout.decode_s,
-              prefill_s=step.rollout.prefill_s, score_s=step.score_s, reference_s=step.reference_s,
-              update_s=step.update_s, decode_steps=step.schedule.decode_steps,
-              decode_step_s=step.programs["decode"].seconds,
-              mean_response_tokens=step.schedule.decoded / step.batch + 1)
+  member = lambda batch: member_config(module, base_arg, dict(batch=batch, lr_rule=FLAGS.rule, seed=0), FLAGS.set)
+  return step_time.sweep(member, batches, FLAGS.topology, FLAGS.lengths, prompt_len=FLAGS.prompt_tokens,
+                         response_len=FLAGS.response_tokens, num_slices=FLAGS.num_slices)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ optimizer's step is overcounted with it) and the scoring forwards theirs: num_mi
 micro-batches (`rl.packing`) those holding tokens, the sequences placed as the packing places them.
 """
 import dataclasses
+import logging
 
 import jax
 import ml_collections
 import numpy as np
 
 from jaxrl_batch.model import KVCache, ModelConfig
-from jaxrl_batch.predict import engine_time
+from jaxrl_batch.predict import engine_time, lengths
 from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, topologies
@@ -53,6 +54,19 @@ class StepTime:
   def samples_per_s(self) -> float:
     """R: rollouts trained on per second."""
     return self.batch / self.seconds
+
+  @property
+  def generation_per_s(self) -> float:
+    """Rollouts generated per second of the rollout phase alone (the reference study's generation throughput)."""
+    return self.batch / self.rollout.seconds
+
+  def to_json(self) -> dict:
+    """The step's parts (plan.json rows' `step`)."""
+    return dict(seconds=self.seconds, rollout_s=self.rollout.seconds, decode_s=self.rollout.decode_s,
+                prefill_s=self.rollout.prefill_s, score_s=self.score_s, reference_s=self.reference_s,
+                update_s=self.update_s, decode_steps=self.schedule.decode_steps,
+                decode_step_s=self.programs["decode"].seconds,
+                mean_response_tokens=self.schedule.decoded / self.batch + 1)
 
 
 def _compiled(name: str, step: aot._Step):  # pylint: disable=protected-access
@@ -154,3 +168,21 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   trained = _micro_batches(exp, lengths_B, m.mini_batch_size) * epochs
   return StepTime(m.batch_size, schedule, rollout, seconds("score", scored), seconds("reference", scored),
                   seconds("update", trained), reward_s, programs, dict(sorted(by_length.items())))
+
+
+def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_len: int, response_len: int,
+          num_slices: int = 1) -> dict[int, StepTime]:
+  """Each batch's member (`member_config(batch)`: its ConfigDict) predicted on `topology`, its B response lengths
+  drawn from `lengths_spec` (`lengths.response_lengths`, the same seed for every member), all at the rates of the
+  first member's target (CPU rates are measured once)."""
+  steps, rates = {}, None
+  for batch in batches:
+    config = member_config(batch)
+    if rates is None:
+      rates = target(topology, config, num_slices)[1]
+    drawn = lengths.response_lengths(lengths_spec, batch, response_len)
+    steps[batch] = predict(config, topology, drawn, prompt_len=prompt_len, response_len=response_len,
+                           num_slices=num_slices, rates=rates)
+    logging.info("Batch %d: %.4f s a step predicted on %s, %.1f samples/s.", batch, steps[batch].seconds, topology,
+                 steps[batch].samples_per_s)
+  return steps
