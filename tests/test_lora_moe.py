@@ -200,8 +200,8 @@ def test_adapter_gradients_reach_every_expert_adapter_and_equal_the_merged_weigh
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, rows, moe_chunk", [((1, 1, 1, 8), 8, CFG.moe_chunk),
-                                                         ((1, 1, 2, 4), 8, 5), ((2, 1, 2, 2), 2, CFG.moe_chunk)])
+# (1, 1, 1, 8) adds no path these two leave out (25 s of the suite): expert 4 with tensor 2 and chunks, and data 2.
+@pytest.mark.parametrize("mesh_shape, rows, moe_chunk", [((1, 1, 2, 4), 8, 5), ((2, 1, 2, 2), 2, CFG.moe_chunk)])
 def test_expert_parallel_mesh_gives_the_merged_weights_loss_and_the_same_adapter_grads(mesh_shape, rows, moe_chunk):
   """(data, fsdp, tensor, expert): the adapters split over `expert` with their experts (and w_down's a over
   `tensor`); the loss is the one-device merged model's and the adapters' gradients the one-device model's."""
