@@ -15,7 +15,7 @@ def run_notebook(name: str, demo_dir, base_cache, monkeypatch) -> dict:
   monkeypatch.chdir(ROOT)
   monkeypatch.setenv("JAXRL_BATCH_DEMO_DIR", str(demo_dir))
   monkeypatch.setenv("JAXRL_BATCH_DEMO_BASE", base_cache)
-  monkeypatch.delenv("JAXRL_BATCH_DEMO_FULL", raising=False)
+  monkeypatch.setenv("JAXRL_BATCH_DEMO_FULL", "0")  # Reduced, even where a notebook defaults to full (an accelerator).
   with open(os.path.join(ROOT, "demos", name)) as f:
     notebook = json.load(f)
   absl_level = logging.getLogger("absl").level  # A notebook may quiet absl's INFO lines; the suite gets them back.
@@ -55,3 +55,17 @@ def test_reasoning_study_notebook_runs_reduced(tmp_path, monkeypatch, base_cache
   assert namespace["analysis"]["noise"]["noise_inter"] is not None  # the split's parts, from the noise run
   assert {m["member"] for m in namespace["by_group"]["members"]} == {"sqrt_b32"}
   assert set(namespace["swept"]) == {16, 32} and namespace["plan"]["recommended_batch"] in (16, 32)
+
+
+def test_qwen_colab_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
+  namespace = run_notebook("grpo_qwen_colab.ipynb", tmp_path, base_cache, monkeypatch)
+  config, train_rows = namespace["config"], namespace["train_rows"]
+  assert config.lora.rank == 8 and not config.init_from  # LoRA on the tiny model; nothing downloaded
+  assert train_rows[-1]["samples"] == namespace["eval_rows"][-1]["samples"] == config.sample_budget
+  assert all(r["lr"] == config.optim.base_lr and r["grad_norm"] is not None for r in train_rows)  # B = B0: lr0
+  before, after = namespace["before"], namespace["after"]
+  assert [r["step"] for r in before] == [1] * config.log_samples_count
+  assert [r["step"] for r in after] == [train_rows[-1]["step"]] * config.log_samples_count
+  if namespace["report"] is not None:  # libtpu: the tiny model's LoRA update compiled for one v5e chip
+    assert namespace["verdicts"]["update"].startswith("fits with"), namespace["verdicts"]
+    assert namespace["report"].topology["num_chips"] == 1
