@@ -69,3 +69,15 @@ def test_qwen_colab_notebook_runs_reduced(tmp_path, monkeypatch, base_cache):
   if namespace["report"] is not None:  # libtpu: the tiny model's LoRA update compiled for one v5e chip
     assert namespace["verdicts"]["update"].startswith("fits with"), namespace["verdicts"]
     assert namespace["report"].topology["num_chips"] == 1
+
+
+def test_batch_on_paper_notebook_runs_reduced(tmp_path, monkeypatch, base_cache, compile_only_tpu):
+  compile_only_tpu("v5e:2x2")  # the reduced mode's slice (skips where libtpu cannot load)
+  namespace = run_notebook("batch_on_paper.ipynb", tmp_path, base_cache, monkeypatch)
+  steps, plan = namespace["steps"]["v5e:2x2"], namespace["plans"]["v5e:2x2"]
+  assert list(steps) == namespace["BATCHES"] == [16, 32, 64]
+  generation = [steps[b].generation_per_s for b in steps]
+  assert generation == sorted(generation)  # decode is bandwidth-bound at these concurrencies
+  for row in plan["rows"]:
+    assert row["predicted"] and row["throughput_samples_per_s"] == steps[row["batch"]].samples_per_s
+  assert plan["recommended_batch"] in steps and os.path.exists(namespace["FIGURE"])
