@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import grpo_gsm8k_qwen
-from jaxrl_batch.model import compute_copy, masks
+from jaxrl_batch.model import compute_copy, lora, masks
 from jaxrl_batch.sampling import EngineSettings, Strategy, generate_continuous
 from jaxrl_batch.train import aot, collector, partial, rundir
 from jaxrl_batch.train import trainer as trainer_module
@@ -95,11 +95,20 @@ def test_the_aot_check_compiles_the_engines_on_the_copy_with_the_master_resident
   master_bytes, sampler_bytes = (aot._per_chip_bytes(t) for t in (master, sampler))  # pylint: disable=protected-access
   assert 0.5 * master_bytes < sampler_bytes < 0.51 * master_bytes
   others = step.resident("opt_state", "ref")
-  assert aot._rollout_resident(step) == others + master_bytes  # pylint: disable=protected-access
+  cast = [m for path, m in jax.tree_util.tree_leaves_with_path(master) if path[-1].key != "scale"]
+  # The master leaves the copy casts stay resident; the norm scales are the copy's own arrays.
+  assert aot._rollout_resident(step) == others + aot._per_chip_bytes(cast) < others + master_bytes  # pylint: disable=protected-access
   config.model.dtype = "float32"  # Nothing to cast: the engines read the master weights themselves.
   same = aot._Step.build(aot._experiment(config, jax.devices(), 32, 32))  # pylint: disable=protected-access
   assert same.sampler_params is same.state["params"]
   assert aot._rollout_resident(same) == same.resident("opt_state", "ref")  # pylint: disable=protected-access
+  # LoRA on a bfloat16 base: the copy casts only the float32 adapters, the base is shared, not resident twice.
+  config.model.update(dtype="bfloat16", param_dtype="bfloat16")
+  config.lora.rank = 4
+  lora_step = aot._Step.build(aot._experiment(config, jax.devices(), 32, 32))  # pylint: disable=protected-access
+  adapters = [m for path, m in jax.tree_util.tree_leaves_with_path(lora_step.state["params"]) if lora.is_adapter(path)]
+  assert lora_step.ref_params is None and {m.dtype for m in adapters} == {jnp.dtype(jnp.float32)}
+  assert aot._rollout_resident(lora_step) == lora_step.resident("opt_state") + aot._per_chip_bytes(adapters)  # pylint: disable=protected-access
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ from flax import nnx
 from jaxrl_batch.config import family
 from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.model import ModelConfig, lora
-from jaxrl_batch.model.compute_copy import abstract_compute_copy, casts_any
+from jaxrl_batch.model.compute_copy import abstract_compute_copy, casts_any, is_cast
 from jaxrl_batch.model.value_head import ValueHead, ValueModel
 from jaxrl_batch.rl import critic as critic_lib
 from jaxrl_batch.rl import forward, learner, update
@@ -415,10 +415,16 @@ def _kept_slots(step: _Step) -> int:
 
 
 def _learner_policy(step: _Step) -> int:
-  """Per-chip bytes of the learner's policy resident while the engines decode: its master weights when the engines
-  read another policy (a compute-dtype copy, or an asynchronous run's published one); 0 when they read it."""
-  separate = step.sampler_params is not step.state["params"] or _async_copy(step)
-  return step.resident("params") if separate else 0
+  """Per-chip bytes of the learner's policy resident while the engines decode, beside the policy they read: the whole
+  policy when they read an asynchronous run's published copy; with a compute-dtype copy, the master leaves it casts
+  (the others are the copy's own arrays: with LoRA's bfloat16 base, all but the adapters); 0 when they read it."""
+  if _async_copy(step):
+    return step.resident("params")
+  if step.sampler_params is step.state["params"]:
+    return 0
+  dtype = step.exp.model_cfg.compute_dtype
+  return _per_chip_bytes([x for path, x in jax.tree_util.tree_leaves_with_path(step.state["params"])
+                          if is_cast(path, x, dtype)])
 
 
 def _rollout_resident(step: _Step) -> int:
