@@ -16,11 +16,13 @@ CPU (1M-parameter model):
     step is 0.23, 0.33, 0.43, 0.44 (the study: docs/results/2026-12-05-reasoning-study.md).
 LoRA (`lora=<rank>`): the adapters' lr0 at B0 is LORA_BASE_LR. Scanned 2026-12-06 (rank 8, alpha 16, B = 32, seed 0,
 stop_at_accuracy 0.68, CPU shared with three other processes): held-out accuracy 0.284 at the start reaches 0.66 at
-~640 samples under lr 1.5e-4 (0.336 at 256, 0.555 at 448, 0.665 at 640), ~310 under 5e-4 (0.602 at 256, 0.686 at
-320) and 192 under 1.5e-3 (0.453 at 128, 0.665 at 192), against ~1,500 for full fine-tuning at 5e-6. The faster
+621 samples under lr 1.5e-4 (0.336 at 256, 0.555 at 448, 0.665 at 640), ~300 under 5e-4 (0.602 at 256, 0.686 at
+320) and ~190 under 1.5e-3 (0.453 at 128, 0.665 at 192), against 1,955 for full fine-tuning at 5e-6. The faster
 lrs reach the target within the 256-sample warmup, in 6-10 steps of B0, where a study at eval_every_samples = 64
 and B up to 128 cannot resolve samples to target; 1.5e-4 (30x full fine-tuning's lr0) is the fastest whose curve
-rises well past the warmup, as full fine-tuning's lr0 was chosen below its fastest.
+rises well past the warmup, as full fine-tuning's lr0 was chosen below its fastest. Its sqrt family (B = 16..128, seed
+0) pays the samples penalties full fine-tuning's does (0.91x, 1.00x, 1.21x, 1.41x against 0.89x, 1.00x, 1.19x, 1.35x)
+at ~3.1x fewer samples, aligned over 16..64 like it (docs/results/2026-12-06-lora-study.md).
 Earlier variants, for the record: a warm start that is merely undertrained (160 SFT steps, 0.35) did not improve
 under RL at lr 2e-5 to 5e-5 and collapsed at 1.2e-4 and above; with the carry habit, lr 1.5e-5 and 5e-5 flip to
 0.72 within ~1000 and ~500 samples.
