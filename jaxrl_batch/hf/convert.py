@@ -4,7 +4,6 @@ LoRA adapters as PEFT adapter directories (`hf.peft`).
 Loading is sharded as it goes: params are laid out by `sharding.abstract_sharded`, and each device's block of each
 tensor is read straight from the safetensors files, so no host ever holds a full copy of a sharded parameter.
 """
-import functools
 import json
 import math
 import os
@@ -51,28 +50,6 @@ def _check_tensors(reader: safetensors_io.Reader, tensors: list[layout.Tensor], 
                        f"{want}; config.json does not match the weights.")
 
 
-def _load(reader: safetensors_io.Reader, tensors: list[layout.Tensor], spec: jax.ShapeDtypeStruct) -> jax.Array:
-  """One parameter from its tensor (or, stacked, its experts' tensors), each device reading only its block (read
-  once per distinct block on this host)."""
-  blocks = {}
-
-  def read(tensor, index):
-    return layout.read_block(functools.partial(reader.read, tensor.name), tensor.shape_of(spec.shape), tensor.axes,
-                             index)
-
-  def block(index):
-    key = tuple(s.indices(n)[:2] for s, n in zip(index, spec.shape))
-    if key not in blocks:
-      if tensors[0].expert is None:
-        blocks[key] = read(tensors[0], index).astype(spec.dtype)
-      else:
-        by_expert = {t.expert: t for t in tensors}
-        blocks[key] = np.stack([read(by_expert[j], index[1:]) for j in range(*key[0])]).astype(spec.dtype)
-    return blocks[key]
-
-  return jax.make_array_from_callback(spec.shape, spec.sharding, block)
-
-
 def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=None, dtype: str = "float32",
                     param_dtype: str | None = None, adapter: str | None = None):
   """Loads a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM directory.
@@ -99,7 +76,7 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=N
     by_path.setdefault(t.path, []).append(t)
   with safetensors_io.Reader(path) as reader:
     _check_tensors(reader, tensors, abstract, cfg, path)
-    params = jax.tree_util.tree_map_with_path(lambda p, spec: _load(reader, by_path[_keys(p)], spec), abstract)
+    params = jax.tree_util.tree_map_with_path(lambda p, spec: layout.load_param(reader.read, by_path[_keys(p)], spec), abstract)
   if adapter is not None:
     _, graphdef, params = peft.load_adapter(adapter, cfg, params, mesh=mesh, rules=rules)
   return cfg, graphdef, params

@@ -5,10 +5,12 @@ HF stores a Linear weight as [out, in] with heads flattened into one axis; we ke
 record converts either way and lets a loader read only the rows and columns one device needs. An MoE checkpoint
 stores each expert's weights as its own tensors; we stack them on a leading expert axis.
 """
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from jaxrl_batch.model import ModelConfig
@@ -103,3 +105,25 @@ def read_block(read: Callable[[tuple[slice, ...]], np.ndarray], shape: tuple[int
   block = read(tuple(hf_index)).reshape(block_shape).transpose(np.argsort(order))
   outers = {group[0] for group in axes}
   return block[tuple(slice(None) if a in outers else slice(*bounds[a]) for a in range(len(shape)))]
+
+
+def load_param(read: Callable[[str, tuple[slice, ...]], np.ndarray], tensors: list[Tensor],
+               spec: jax.ShapeDtypeStruct) -> jax.Array:
+  """One parameter from its tensor (or, stacked, its experts' tensors), each device reading only its block via
+  `read(name, hf_index)` (read once per distinct block on this host)."""
+  blocks = {}
+
+  def read_tensor(tensor, index):
+    return read_block(functools.partial(read, tensor.name), tensor.shape_of(spec.shape), tensor.axes, index)
+
+  def block(index):
+    key = tuple(s.indices(n)[:2] for s, n in zip(index, spec.shape))
+    if key not in blocks:
+      if tensors[0].expert is None:
+        blocks[key] = read_tensor(tensors[0], index).astype(spec.dtype)
+      else:
+        by_expert = {t.expert: t for t in tensors}
+        blocks[key] = np.stack([read_tensor(by_expert[j], index[1:]) for j in range(*key[0])]).astype(spec.dtype)
+    return blocks[key]
+
+  return jax.make_array_from_callback(spec.shape, spec.sharding, block)

@@ -227,18 +227,7 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, base_params, *, mesh: jax.s
     tensors = adapter_tensors(cfg, abstract)
     _check_tensors(path, reader, tensors, abstract, lora)
 
-    def read(t: layout.Tensor, shape, index) -> np.ndarray:
-      return layout.read_block(lambda hf_index: reader.get_slice(t.name)[hf_index], shape, t.axes, index)
-
-    def load(parts: list[layout.Tensor], spec: jax.ShapeDtypeStruct) -> jax.Array:
-      """One adapter leaf, each device reading its block (of an expert stack's: its experts' tensors, stacked)."""
-      def block(index):
-        if parts[0].expert is None:
-          return read(parts[0], spec.shape, index).astype(spec.dtype)
-        return np.stack([read(parts[j], spec.shape[1:], index[1:])
-                         for j in range(*index[0].indices(spec.shape[0])[:2])]).astype(spec.dtype)
-      return jax.make_array_from_callback(spec.shape, spec.sharding, block)
-
+    read = lambda name, index: reader.get_slice(name)[index]
     by_path = {}
     for t in tensors:
       by_path.setdefault(t.path, []).append(t)
@@ -248,7 +237,7 @@ def load_adapter(adapter_dir: str, cfg: ModelConfig, base_params, *, mesh: jax.s
       node = adapters
       for key in path[:-1]:
         node = node.setdefault(key, {})
-      node[path[-1]] = load(sorted(parts, key=lambda t: t.expert or 0), specs[path])
+      node[path[-1]] = layout.load_param(read, parts, specs[path])
   return lora, graphdef, lora_lib.merge(base_params, adapters)
 
 
