@@ -129,6 +129,10 @@ class Experiment:
     RL trains, with config.lora's adapters (the base without them when config.lora is off)."""
     return sharding.abstract_sharded(self._module_fn(0, adapters), self.mesh, self.config.sharding_rules)
 
+  def trainable_params(self) -> int:
+    """Parameters the update trains: the whole policy's, or with config.lora its adapters' (counted abstractly)."""
+    return sum(x.size for x in jax.tree.leaves(lora_lib.trainable(self.abstract_params(adapters=True)[1])))
+
   def policy(self, graphdef, base_params, seed: int):
     """(graphdef, params) of the policy RL trains from the base policy `base_params`: with config.lora, the base
     with fresh adapters (created sharded; the base arrays are kept, not copied), else the base itself."""
@@ -178,7 +182,7 @@ class Experiment:
                  self.model_cfg.num_params() / 1e6, self.tokenizer.path, self.tokenizer.vocab_size,
                  self.prompt_len, self.response_len)
     if self.lora is not None:
-      adapters = sum(x.size for x in jax.tree.leaves(lora_lib.split(self.abstract_params(adapters=True)[1])[0]))
+      adapters = self.trainable_params()
       logging.info("LoRA: rank %d, alpha %g on %s: %.2fM trainable parameters (%.2f%% of the model's); the base is "
                    "frozen.", self.lora.rank, self.lora.alpha, ",".join(self.lora.targets), adapters / 1e6,
                    100 * adapters / self.model_cfg.num_params())

@@ -101,9 +101,8 @@ class Trainer:
   # -- run directory ---------------------------------------------------------------------------------------------
 
   def _resolved_config(self, base_dir: str) -> dict:
-    trainable = sum(x.size for x in jax.tree.leaves(lora_lib.trainable(self.exp.abstract_params(adapters=True)[1])))
-    derived = dict(self.member.to_json(), num_params=self.exp.model_cfg.num_params(), trainable_params=trainable,
-                   base_policy=base_dir)
+    derived = dict(self.member.to_json(), num_params=self.exp.model_cfg.num_params(),
+                   trainable_params=self.exp.trainable_params(), base_policy=base_dir)
     return dict(config=_json_config(self.config), derived=derived)
 
   def check_workdir(self) -> None:
