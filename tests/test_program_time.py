@@ -96,6 +96,7 @@ def test_a_cpu_matmul_is_timed_from_the_compilers_cost_at_measured_rates():
   assert got.compute_s == got.flops / 1e9 and got.memory_s == got.bytes_accessed / 1e8
   assert got.collectives == () and got.collective_s == 0.0
   assert got.seconds == max(got.compute_s, got.memory_s)
+  assert got.peak_bytes == 3 * n * n * 4  # two float32 arguments and the result, no temporaries
 
 
 def test_a_program_that_sends_needs_an_interconnect_rate():

@@ -150,7 +150,9 @@ def collectives(hlo_text: str) -> list[Collective]:
 @dataclasses.dataclass(frozen=True)
 class ProgramTime:
   """A program's roofline on one chip: flops and bytes accessed (the compiler's cost analysis), the bytes its
-  collectives send, the seconds each takes at `rates`, and the compiler's own optimal_seconds (None where absent)."""
+  collectives send, the seconds each takes at `rates`, the compiler's own optimal_seconds (None where absent), and
+  its peak bytes per chip (`memory_analysis`: arguments + outputs - aliases + temporaries; None where absent), so a
+  prediction says whether the member's programs fit besides how long they take."""
   flops: float
   bytes_accessed: float
   collective_bytes: float
@@ -160,6 +162,7 @@ class ProgramTime:
   optimal_seconds: float | None
   collectives: tuple[Collective, ...]
   rates: Rates
+  peak_bytes: int | None = None
 
   @property
   def seconds(self) -> float:
@@ -186,4 +189,13 @@ def program_time(compiled, rates: Rates) -> ProgramTime:
       flops=cost.flops, bytes_accessed=cost.bytes_accessed, collective_bytes=sent,
       compute_s=cost.flops / rates.matmul_flops_per_s, memory_s=cost.bytes_accessed / rates.memory_bytes_per_s,
       collective_s=sent / rates.interconnect_bytes_per_s if sent else 0.0,
-      optimal_seconds=cost.optimal_seconds, collectives=found, rates=rates)
+      optimal_seconds=cost.optimal_seconds, collectives=found, rates=rates, peak_bytes=_peak_bytes(compiled))
+
+
+def _peak_bytes(compiled) -> int | None:
+  """Arguments + outputs - aliases + temporaries per chip, as `train.aot` counts a program's peak."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+          + stats.temp_size_in_bytes)
