@@ -19,13 +19,22 @@ engine's schedule of responses drawn from --lengths (`predict.step_time`); nothi
   python -m launch.plan_batch --config=configs/grpo_gsm8k_qwen.py:model=qwen3-30b-a3b --workdir=/tmp/study \
       --topology=v5p:4x4x2 --batches=512,1024,2048 --prompt_tokens=256 --response_tokens=8192 \
       --lengths=lognormal:2048:0.8
+
+S(B) comes from one of three places, and plan.json's `samples_model` says which (`source`): the study's fit above
+("study"), given as --samples_model=S_MIN:B_NOISE ("given"), or one run that logged `noise_scale` ("noise_run", e.g.
+the reference member trained with --config.rl.noise_split=True): B_noise = its mean B_simple, and S_min from the
+samples S_run it needed to reach --target of --metric at its own batch b, S_run = S_min (1 + b / B_noise), read as
+launch.analyze reads S. The last two read no analysis.json, with or without --topology:
+
+  python -m launch.plan_batch --config=configs/grpo_reasoning.py --workdir=/tmp/plan --noise_run=/tmp/noise_b32 \
+      --target=0.66 --batches=16,32,64,128
 """
 import json
 import os
 
 from absl import app, flags
 
-from jaxrl_batch.analysis import planner
+from jaxrl_batch.analysis import noise, planner
 from jaxrl_batch.predict import lengths, step_time
 from jaxrl_batch.study.runner import load_config_module, member_config, throughput_sweep
 from launch import list_flags, logs
@@ -49,6 +58,14 @@ flags.DEFINE_string("topology", None, "Predict R on this TPU topology (v5p:4x4x2
 flags.DEFINE_integer("num_slices", 1, "With --topology: slices of it.")
 flags.DEFINE_string("samples_model", None, "S_MIN:B_NOISE: S(B) = S_MIN (1 + B / B_NOISE) samples to target, given "
                     "instead of fitted to WORKDIR/analysis.json (which is then not read).")
+flags.DEFINE_string("noise_run", None, "A run directory that logged noise_scale (e.g. the reference member with "
+                    "--config.rl.noise_split=True): S(B) with B_noise = its mean B_simple and S_min from its samples "
+                    "to --target at its batch, instead of fitted to WORKDIR/analysis.json (which is then not read).")
+flags.DEFINE_float("target", None, "With --noise_run: the value (0..1) of --metric whose samples to target give S_min.")
+flags.DEFINE_string("metric", "eval_accuracy", "With --noise_run: the evaluation field --target is of (as "
+                    "launch.analyze's --metric).")
+flags.DEFINE_integer("smooth", 1, "With --noise_run: odd number of evaluation points in the centred moving average "
+                     "its curve is read on (as launch.analyze's --smooth).")
 flags.DEFINE_string("lengths", "lognormal:512:1.0", f"With --topology: the response lengths' distribution "
                     f"({lengths.FORMS}), in tokens, clipped to --response_tokens.")
 flags.DEFINE_integer("prompt_tokens", 256, "With --topology: prompt length in tokens.", lower_bound=1)
@@ -60,11 +77,29 @@ flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
 
+def _check_samples_source(values: dict) -> bool:
+  """S(B) comes from one place: WORKDIR/analysis.json, --samples_model, or --noise_run with its --target."""
+  if values["samples_model"] and values["noise_run"]:
+    raise flags.ValidationError("--samples_model and --noise_run both give S(B): pass one of them (or neither, to "
+                                "fit S(B) to WORKDIR/analysis.json).")
+  if values["noise_run"] and values["target"] is None:
+    raise flags.ValidationError("--noise_run needs --target=X, the value of --metric whose samples to target give "
+                                "S_min, e.g. --target=0.9.")
+  if values["target"] is not None and not values["noise_run"]:
+    raise flags.ValidationError("--target is read only with --noise_run (a study's target is its analysis.json's): "
+                                "drop it, or add --noise_run=RUN.")
+  return True
+
+
+flags.register_multi_flags_validator(["samples_model", "noise_run", "target"], _check_samples_source)
+
+
 def main(argv):
   del argv
   logs.setup()
-  samples_model = _samples_model(FLAGS.samples_model) if FLAGS.samples_model else None
-  analysis = dict(target=None, members=[]) if samples_model else _analysis(FLAGS.workdir)
+  source = _samples_source()
+  analysis = _analysis(FLAGS.workdir) if source["source"] == "study" else dict(target=source.get("target"),
+                                                                               members=[])
   measured = {m["batch"]: (m["samples_to_target"], m["time_to_target_s"])
               for m in analysis["members"] if m["rule"] == FLAGS.rule and not m.get("staleness")}
   batches = [int(b) for b in FLAGS.batches]
@@ -80,8 +115,10 @@ def main(argv):
                              FLAGS.steps, FLAGS.set, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples,
                              repeats=FLAGS.repeats)
     sweep = dict(steps=FLAGS.steps, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples, repeats=FLAGS.repeats)
+  samples_model = None if source["source"] == "study" else (source["s_min"], source["b_noise"])
   result = dict(planner.plan(swept, measured, learn, predicted=bool(steps), samples_model=samples_model),
                 rule=FLAGS.rule, target=analysis["target"], sweep=sweep)
+  result["samples_model"] = dict(source, s_min=result["s_min"], b_noise=result["b_noise"])
   for row in result["rows"]:
     if row["batch"] in steps:
       row["step"] = steps[row["batch"]].to_json()
@@ -101,6 +138,17 @@ def _analysis(workdir: str) -> dict:
                             "first, or give S(B) with --samples_model=S_MIN:B_NOISE.")
   with open(path) as f:
     return json.load(f)
+
+
+def _samples_source() -> dict:
+  """plan.json's `samples_model` before the plan: where S(B) comes from ("study": fitted by the plan to
+  WORKDIR/analysis.json) and, for a given or noise-run S(B), its s_min and b_noise."""
+  if FLAGS.noise_run:
+    return noise.samples_model(FLAGS.noise_run, FLAGS.target, FLAGS.metric, FLAGS.smooth)
+  if FLAGS.samples_model:
+    s_min, b_noise = _samples_model(FLAGS.samples_model)
+    return dict(source="given", s_min=s_min, b_noise=b_noise)
+  return dict(source="study", analysis=os.path.join(FLAGS.workdir, "analysis.json"))
 
 
 def _samples_model(spec: str) -> tuple[float, float]:

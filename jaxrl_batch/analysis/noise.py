@@ -7,12 +7,16 @@ penalty of batch B against the reference batch B0 is predicted as
 next to the penalty S(B) / S(B0) each rule measured and the B_noise of that rule's S(B) fit; the penalty "starts"
 where it reaches PENALTY_START (predicted: at B = (PENALTY_START - 1) B_simple + PENALTY_START B0). With
 `rl.noise_split` the run also gives B_simple's inter-prompt part (prompts) and intra-prompt part (rollouts).
+
+The same run also gives S(B) itself, for a plan no study fitted (`samples_model`): B_noise = its B_simple, and S_min
+from the samples it needed to reach the target at its own batch b, S_run = S_min (1 + b / B_noise).
 """
 import math
+import os
 
 import numpy as np
 
-from jaxrl_batch.analysis import planner
+from jaxrl_batch.analysis import members, planner, runs
 from jaxrl_batch.train import rundir
 
 FIELDS = ("noise_scale", "noise_inter", "noise_intra")
@@ -22,7 +26,10 @@ PENALTY_START = 1.1  # A samples penalty of 10%.
 def measured(run_dir: str) -> dict:
   """Means over the training rows of `run_dir` that hold each of FIELDS (absent: None), and the run's batch and
   group size, from its config.json and metrics.jsonl."""
-  config = rundir.read_config(run_dir)["config"]
+  saved = rundir.read_config(run_dir)
+  if saved is None:
+    raise ValueError(f"{run_dir} holds no config.json: pass the directory of a launch.train run (its --workdir).")
+  config = saved["config"]
   rows = [r for r in rundir.read_metrics(run_dir) if "reward_mean" in r]
   means = {}
   for field in FIELDS:
@@ -34,6 +41,29 @@ def measured(run_dir: str) -> dict:
   batch = int(config["batch_size"])
   group = int(config["group_size"]) or batch // int(config["num_prompts"])
   return dict(run=run_dir, batch=batch, group_size=group, rows=len(rows), **means)
+
+
+def samples_model(run_dir: str, target: float, metric: str = "eval_accuracy", smooth: int = 1) -> dict:
+  """S(B) = S_min (1 + B / B_noise) from the run in `run_dir` that logged noise_scale: B_noise = its mean B_simple,
+  S_min = S_run / (1 + b / B_noise), S_run its samples to `target` of `metric` at its batch b, read as the analysis
+  reads S (curve smoothed over `smooth` points). plan.json's `samples_model`: those, where they came from, and S_run."""
+  noise = measured(run_dir)
+  b_noise, batch = noise["noise_scale"], noise["batch"]
+  if b_noise <= 0:
+    raise ValueError(f"{run_dir} logged a mean noise_scale of {b_noise:.3g} <= 0 over {noise['rows']} rows, not a "
+                     "batch: the estimate is too noisy; train the run longer, or give S(B) with "
+                     "--samples_model=S_MIN:B_NOISE.")
+  run = runs.read_run(run_dir, os.path.basename(os.path.normpath(run_dir)), metric)
+  if isinstance(run, str):
+    raise ValueError(f"{run_dir} has no curve to read its samples to target from ({run}): train it until it has "
+                     "evaluated past the target.")
+  seed = members.seed_result(run, target, smooth)
+  if seed.samples_to_target is None:
+    raise ValueError(f"{run_dir} never reached {metric} >= {target} (its best: {seed.curve[1].max():.3f} after "
+                     f"{run.eval_samples[-1]:.0f} samples): give a --target it reached, or train it on more samples.")
+  return dict(source="noise_run", run=run_dir, batch=batch, samples_to_target=seed.samples_to_target,
+              target=target, metric=metric, smooth=smooth, rows=noise["rows"],
+              s_min=seed.samples_to_target / (1 + batch / b_noise), b_noise=b_noise)
 
 
 def predicted_penalty(batch: float, reference_batch: float, b_simple: float) -> float:

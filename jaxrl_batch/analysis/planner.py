@@ -90,7 +90,7 @@ def render(result: dict) -> str:
   lines = [f"# Batch plan ({result['rule']} rule, target {result['target']})", "",
            f"S(B) = {result['s_min']:.0f} (1 + B / {result['b_noise']:.0f}) samples to target, "
            + (f"fitted to the members at B = {', '.join(map(str, result['learn_batches']))}."
-              if result["learn_batches"] else "given."),
+              if result["learn_batches"] else _given_line(result)),
            _rates_line(result), "",
            "| batch | R samples/s | S predicted | T predicted s | T measured s | error | fitted | R gain | S penalty |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -103,6 +103,16 @@ def render(result: dict) -> str:
   lines += ["", f"Recommended batch: {result['recommended_batch']} (smallest predicted T among swept batches); "
             f"fastest trained member: {result['measured_best_batch'] or '-'}.", ""]
   return "\n".join(lines)
+
+
+def _given_line(result: dict) -> str:
+  """Where an S(B) no study fitted comes from: given, or a noise-scale run's (`noise.samples_model`)."""
+  model = result.get("samples_model") or {}
+  if model.get("source") != "noise_run":
+    return "given."
+  return (f"from the noise-scale run {model['run']}: B_noise = its mean B_simple, S_min = its "
+          f"{model['samples_to_target']:.0f} samples to {model['metric']} >= {model['target']} at its batch "
+          f"{model['batch']} / (1 + {model['batch']} / B_noise).")
 
 
 def _rates_line(result: dict) -> str:
