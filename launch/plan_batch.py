@@ -106,11 +106,13 @@ def main(argv):
   learn = [int(b) for b in FLAGS.learn_batches] or None
   if FLAGS.topology:
     steps = _predicted_steps(batches)
+    refused = [dict(batch=b, reason=str(s)) for b, s in steps.items() if isinstance(s, step_time.DoesNotFit)]
+    steps = {b: s for b, s in steps.items() if not isinstance(s, step_time.DoesNotFit)}
     swept = {b: step.samples_per_s for b, step in steps.items()}
     sweep = dict(topology=FLAGS.topology, num_slices=FLAGS.num_slices, lengths=FLAGS.lengths,
                  prompt_tokens=FLAGS.prompt_tokens, response_tokens=FLAGS.response_tokens)
   else:
-    steps = {}
+    steps, refused = {}, []
     swept = throughput_sweep(FLAGS.config, os.path.join(FLAGS.workdir, "throughput"), batches, FLAGS.rule,
                              FLAGS.steps, FLAGS.set, warmup=FLAGS.warmup, min_samples=FLAGS.min_samples,
                              repeats=FLAGS.repeats)
@@ -119,6 +121,7 @@ def main(argv):
   result = dict(planner.plan(swept, measured, learn, predicted=bool(steps), samples_model=samples_model),
                 rule=FLAGS.rule, target=analysis["target"], sweep=sweep)
   result["samples_model"] = dict(source, s_min=result["s_min"], b_noise=result["b_noise"])
+  result["refused"] = refused
   for row in result["rows"]:
     if row["batch"] in steps:
       row["step"] = steps[row["batch"]].to_json()
@@ -163,8 +166,9 @@ def _samples_model(spec: str) -> tuple[float, float]:
   return s_min, b_noise
 
 
-def _predicted_steps(batches: list[int]) -> dict[int, step_time.StepTime]:
-  """Each batch's member (as the sweep builds it) predicted on --topology with lengths drawn from --lengths."""
+def _predicted_steps(batches: list[int]) -> dict[int, step_time.StepTime | step_time.DoesNotFit]:
+  """Each batch's member (as the sweep builds it) predicted on --topology with lengths drawn from --lengths (or the
+  reason it does not fit there)."""
   path, _, base_arg = FLAGS.config.partition(":")
   module = load_config_module(path)
   member = lambda batch: member_config(module, base_arg, dict(batch=batch, lr_rule=FLAGS.rule, seed=0), FLAGS.set)

@@ -102,6 +102,8 @@ def render(result: dict) -> str:
                  f"{r['throughput_gain']:.2f}x | {r['samples_penalty']:.2f}x |")
   lines += ["", f"Recommended batch: {result['recommended_batch']} (smallest predicted T among swept batches); "
             f"fastest trained member: {result['measured_best_batch'] or '-'}.", ""]
+  for refused in result.get("refused", ()):
+    lines += [f"Not predicted: batch {refused['batch']}: {refused['reason']}", ""]
   return "\n".join(lines)
 
 

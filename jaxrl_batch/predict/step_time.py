@@ -61,12 +61,41 @@ class StepTime:
     return self.batch / self.rollout.seconds
 
   def to_json(self) -> dict:
-    """The step's parts (plan.json rows' `step`)."""
+    """The step's parts (plan.json rows' `step`), and each program's peak bytes per chip (`peak_bytes`: the decode
+    step's at its longest cache bucket; what the step holds besides, optimizer state or the reference policy, is
+    `launch.aot_check`'s to add)."""
     return dict(seconds=self.seconds, rollout_s=self.rollout.seconds, decode_s=self.rollout.decode_s,
                 prefill_s=self.rollout.prefill_s, score_s=self.score_s, reference_s=self.reference_s,
                 update_s=self.update_s, decode_steps=self.schedule.decode_steps,
                 decode_step_s=self.programs["decode"].seconds,
-                mean_response_tokens=self.schedule.decoded / self.batch + 1)
+                mean_response_tokens=self.schedule.decoded / self.batch + 1,
+                peak_bytes={name: p.peak_bytes for name, p in self.programs.items()})
+
+
+class DoesNotFit(ValueError):
+  """A member's program is too big for the target's memory (the TPU compiler refuses it): no time to predict."""
+
+
+def _refusal(message: str, what: str, batch: int, knobs: str) -> DoesNotFit | None:
+  """DoesNotFit naming the program, the compiler's need and the knobs that shrink it, where `message` is the TPU
+  compiler's out-of-memory refusal; else None."""
+  oom = aot.parse_oom(message)
+  if oom is None:
+    return None
+  need, have = oom
+  return DoesNotFit(f"Batch {batch}: {what} does not fit: the compiler needs {need / aot.GIB:.2f} GiB of "
+                    f"temporaries per chip, {have / aot.GIB:.2f} GiB available. {knobs}")
+
+
+def _fitting(compile_, what: str, batch: int, knobs: str):
+  """`compile_()`, or its out-of-memory refusal as DoesNotFit (`_refusal`)."""
+  try:
+    return compile_()
+  except Exception as e:  # pylint: disable=broad-except  # only an out-of-memory refusal is translated
+    refusal = _refusal(str(e), what, batch, knobs)
+    if refusal is None:
+      raise
+    raise refusal from None
 
 
 def _compiled(name: str, step: aot._Step):  # pylint: disable=protected-access
@@ -75,8 +104,11 @@ def _compiled(name: str, step: aot._Step):  # pylint: disable=protected-access
   if isinstance(built, str):
     return None
   fn, args, kwargs, _, _ = built
+  knobs = ("Fewer rows per forward: micro_batch_size / score_micro_batch_size, model.remat, model.logits_chunk, "
+           "or a larger slice (`launch.aot_check` lists the knobs per program).")
   with jax.set_mesh(step.exp.mesh):
-    return fn.lower(*args, **kwargs).compile()
+    return _fitting(lambda: fn.lower(*args, **kwargs).compile(), f"the {name} program",
+                    step.exp.member.batch_size, knobs)
 
 
 def target(topology: str, config: ml_collections.ConfigDict, num_slices: int = 1) -> tuple[tuple, Rates]:
@@ -137,8 +169,11 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   # The member's step with its rollout on `block` slots: the decode step, the prefill and the learner's programs
   # (which the engine's settings leave unchanged) compile against it.
   step, inputs = decode_roofline.engine_step(config, devices, exp.prompt_len, exp.response_len, block // dp)
+  knobs = (f"Fewer sequences at once: sampling.engine=continuous with sampling.slots below {block // dp} per chip "
+           "(its KV cache is slots x the prompt and response budget), a shorter budget, or a larger slice.")
   if isinstance(inputs, str):
-    raise ValueError(f"The decode step of {block // dp} slots per shard cannot be laid out: {inputs}")
+    raise (_refusal(inputs, f"the decode step of {block // dp} slots per chip (its cache)", m.batch_size, knobs)
+           or ValueError(f"The decode step of {block // dp} slots per shard cannot be laid out: {inputs}"))
   backend = decode_roofline.resolved_backend_for(exp.mesh, engine.attention_backend)
   shape = dict(max_new_tokens=exp.response_len, prompt_len=exp.prompt_len, group_size=m.group_size, backend=backend)
   if engine.engine == "continuous":
@@ -149,7 +184,10 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
 
   def decode_seconds(rows: int, length: int) -> float:
     if length not in by_length:
-      by_length[length] = program_time(decode_roofline.compile_step(step, _at_length(inputs, length)), rates)
+      compiled = _fitting(lambda: decode_roofline.compile_step(step, _at_length(inputs, length)),
+                          f"the decode step of {block // dp} slots per chip at a cache of {length}", m.batch_size,
+                          knobs)
+      by_length[length] = program_time(compiled, rates)
     return by_length[length].seconds
 
   programs = dict(prefill=program_time(_compiled("prefill", step), rates))
@@ -171,18 +209,26 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
 
 
 def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_len: int, response_len: int,
-          num_slices: int = 1) -> dict[int, StepTime]:
+          num_slices: int = 1) -> dict[int, StepTime | DoesNotFit]:
   """Each batch's member (`member_config(batch)`: its ConfigDict) predicted on `topology`, its B response lengths
   drawn from `lengths_spec` (`lengths.response_lengths`, the same seed for every member), all at the rates of the
-  first member's target (CPU rates are measured once)."""
+  first member's target (CPU rates are measured once). A member whose program the target cannot hold is its
+  DoesNotFit (the others are still predicted); ValueError where none fits."""
   steps, rates = {}, None
   for batch in batches:
     config = member_config(batch)
     if rates is None:
       rates = target(topology, config, num_slices)[1]
     drawn = lengths.response_lengths(lengths_spec, batch, response_len)
-    steps[batch] = predict(config, topology, drawn, prompt_len=prompt_len, response_len=response_len,
-                           num_slices=num_slices, rates=rates)
+    try:
+      steps[batch] = predict(config, topology, drawn, prompt_len=prompt_len, response_len=response_len,
+                             num_slices=num_slices, rates=rates)
+    except DoesNotFit as e:
+      steps[batch] = e
+      logging.warning("%s", e)
+      continue
     logging.info("Batch %d: %.4f s a step predicted on %s, %.1f samples/s.", batch, steps[batch].seconds, topology,
                  steps[batch].samples_per_s)
+  if all(isinstance(s, DoesNotFit) for s in steps.values()):
+    raise ValueError(f"No member fits on {topology}:\n" + "\n".join(map(str, steps.values())))
   return steps
