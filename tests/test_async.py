@@ -19,7 +19,11 @@ STALE = {"rl.max_staleness": K, "rl.old_logp": "trainer", "rl.tis_cap": 2.0}  # 
 @pytest.mark.slow
 def test_rollouts_come_from_the_policy_k_steps_before_resume_in_flight_and_do_not_depend_on_placement(
     tmp_path, base_cache, monkeypatch):
-  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **STALE))
+  # The uninterrupted run generates on a device of its own (the policy resharded onto it, the rollouts copied back):
+  # the runs below, colocated on one device, give its rows.
+  split = str(tmp_path / "disaggregated")
+  Trainer(debug_config(base_cache, **STALE, **{"rollout_mesh.devices": 1}), split, devices=jax.devices()[:2]).run()
+  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **STALE), straight=split)
   train = [r for r in a if "reward_mean" in r]
   lags = [min(s, K) for s in range(6)]  # the first K steps sample with the base policy
   assert [r["policy_lag_max"] for r in train] == lags
@@ -31,13 +35,10 @@ def test_rollouts_come_from_the_policy_k_steps_before_resume_in_flight_and_do_no
   # are not all 1 (the first update has lr 0 under warmup: steps 1 and 2 train the base policy).
   gaps = [r["logp_gap_mean"] for r in train]
   assert train[0]["lr"] == 0 and max(gaps[:2]) < 1e-5 < min(gaps[2:])
-  # Killed after step 3 (checkpoint at step 2, steps 3 and 4 in flight), rerun: the same rollouts and rows.
+  # Killed after step 3 (checkpoint at step 2, steps 3 and 4 in flight), rerun on one device: the same rollouts and
+  # rows.
   compared = rundir.REPRODUCIBLE_FIELDS + ("policy_lag_max", "policy_version")
   assert rundir.rows_mismatch(a, b, compared) is None
-  # Generation on a device of its own (the policy resharded onto it, the rollouts copied back): the same rows.
-  split = str(tmp_path / "disaggregated")
-  Trainer(debug_config(base_cache, **STALE, **{"rollout_mesh.devices": 1}), split, devices=jax.devices()[:2]).run()
-  assert rundir.rows_mismatch(a, rundir.read_metrics(split), compared) is None
   # Generation in a child process on core 0 (the weights shipped to it, the rollouts back): the same rows, and
   # this process gets all its cores back.
   cores, remote = os.sched_getaffinity(0), str(tmp_path / "process")
@@ -61,8 +62,12 @@ def test_partial_rollouts_with_staleness_are_refused(tmp_path, base_cache):
 
 
 STREAMED = {"sampling.engine": "continuous", "sampling.slots": 4, "eval_every_samples": 0}
+# Under `-n 2` the tests that decode on the streamed engine run in one worker, which compiles its programs once
+# (`--dist=loadgroup`).
+ON_STREAMED_WORKER = pytest.mark.xdist_group("streamed")
 
 
+@ON_STREAMED_WORKER
 def test_streamed_rewards_are_the_rewards_of_the_rollout(tmp_path, base_cache):
   trainer = Trainer(debug_config(base_cache, **STREAMED), str(tmp_path / "run"), devices=ONE_DEVICE)
   state, _ = trainer.start()
@@ -110,6 +115,7 @@ def test_a_reward_that_hangs_for_good_stops_the_run_with_an_error_and_a_rerun_re
 HANG_S = 600
 
 
+@ON_STREAMED_WORKER
 def test_a_reward_past_its_timeout_scores_0_is_counted_and_does_not_stall_the_run(tmp_path, base_cache):
   workdir = str(tmp_path / "run")
   trainer = Trainer(debug_config(base_cache, sample_budget=64, **STREAMED, **{"task.reward_timeout_s": 0.2}), workdir,
