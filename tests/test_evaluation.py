@@ -112,6 +112,9 @@ def test_sampled_evaluation_end_to_end(monkeypatch):
   assert cold["eval_pass1"] == pytest.approx(cold["eval_accuracy"]) == cold["eval_pass_at_k"]
 
 
+# Under `-n 2` both engines' cases are in one worker (`--dist=loadgroup`), which compiles the one-block greedy pass
+# they both start from once.
+@pytest.mark.xdist_group("eval_engines")
 @pytest.mark.parametrize("engine,slots", [("continuous", 4), ("static", 5)])
 @pytest.mark.slow
 def test_evaluation_on_the_runs_engine_and_slots_gives_the_one_block_completions(monkeypatch, engine, slots):

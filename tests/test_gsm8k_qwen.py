@@ -14,6 +14,9 @@ from jaxrl_batch.train.trainer import Trainer
 
 pytest.importorskip("safetensors")
 ONE = jax.devices()[:1]
+# Under `-n 2` the runs of the tiny_random member are in one worker (`--dist=loadgroup`), which compiles its programs
+# once.
+ON_TINY_RUNS_WORKER = pytest.mark.xdist_group("gsm8k_tiny_random")
 
 
 def tiny_config(tmp_path, **fields):
@@ -44,6 +47,7 @@ def test_batch_and_prompts_that_disagree_are_refused():
 
 
 @pytest.mark.slow
+@ON_TINY_RUNS_WORKER
 def test_tiny_random_runs_end_to_end_on_the_bundled_sample(tmp_path):
   Trainer(tiny_config(tmp_path, chat_template="chatml"), str(tmp_path / "run"), devices=ONE).run()
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -52,6 +56,7 @@ def test_tiny_random_runs_end_to_end_on_the_bundled_sample(tmp_path):
 
 
 @pytest.mark.slow
+@ON_TINY_RUNS_WORKER
 def test_init_from_a_hugging_face_checkpoint(tmp_path):
   from jaxrl_batch.hf.convert import save_pretrained
   config = tiny_config(tmp_path)

@@ -124,6 +124,9 @@ def test_negative_aux_loss_coef_is_refused():
     algo_config(router_aux_loss_coef=-1.0).check(8)
 
 
+# Under `-n 2` both engines' runs are in one worker (`--dist=loadgroup`), where the second reuses the update and the
+# evaluation compiled for the first.
+@pytest.mark.xdist_group("moe_member")
 @pytest.mark.parametrize("engine", ["static", "continuous"])
 def test_moe_member_trains_with_routing_replay_and_logs_router_figures(tmp_path, base_cache, engine):
   import json

@@ -24,7 +24,8 @@ GSM8K = os.path.join(ROOT, "configs", "grpo_gsm8k_qwen.py")
 ONE = jax.devices()[:1]
 
 
-# Under `-n 2` the tests of one trained study or sweep run in one worker, which trains it once (`--dist=loadgroup`).
+# Under `-n 2` the tests of one trained study or sweep run in one worker, which trains it once (`--dist=loadgroup`);
+# the GSM8K study's members are the sweep's batches, so its test runs there too, on the programs compiled for them.
 ON_ARITH_STUDYS_WORKER = pytest.mark.xdist_group("arith_study")
 ON_SWEEPS_WORKER = pytest.mark.xdist_group("throughput_sweep")
 
@@ -160,6 +161,7 @@ def test_tiny_study_is_analysed_with_censored_members(arith_study):
   assert "Censored" in open(os.path.join(workdir, "report.md")).read()
 
 
+@ON_SWEEPS_WORKER
 def test_gsm8k_tiny_study_runs_two_batches_to_the_same_budget_and_is_analysed(gsm8k_study):
   members, workdir = gsm8k_study
   assert [(m.name, m.num_prompts, m.group_size) for m in members] == [("sqrt_b16_s0", 4, 4), ("sqrt_b32_s0", 8, 4)]

@@ -23,7 +23,8 @@ PPO_FIELDS = TRAIN_FIELDS | {"value_loss", "vf_explained_var", "critic_grad_norm
 EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy", "eval_reward_errors"}
 
 
-# Under `-n 2` the tests that read a shared run run in one worker, which trains it once (`--dist=loadgroup`).
+# Under `-n 2` the tests that read a shared run run in one worker, which trains it once (`--dist=loadgroup`); a test
+# that trains the same member runs there too, on the programs compiled for it.
 ON_DEBUG_RUNS_WORKER = pytest.mark.xdist_group("debug_run")
 ON_PPO_RUNS_WORKER = pytest.mark.xdist_group("ppo_run")
 PPO_KNOBS = {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}
@@ -141,6 +142,7 @@ def test_incompatible_workdir_is_refused_without_changes(tmp_path, base_cache, d
   assert open(os.path.join(workdir, "metrics.jsonl")).read() == before
 
 
+@ON_DEBUG_RUNS_WORKER
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, base_cache, poison_update):
   poison_update(4, lambda state, metrics: (state, dict(metrics, loss=np.float32("nan"))))
   workdir = str(tmp_path / "run")
