@@ -273,7 +273,7 @@ def named_transfers_only():
 
 
 @pytest.mark.parametrize("module, overrides", [
-    (grpo_arith, {}),
+    pytest.param(grpo_arith, {}, marks=ON_DEBUG_RUNS_WORKER),  # the debug member's programs
     (ppo_arith, {}),  # 2 epochs x 2 mini-batches; the first step trains the critic only.
     (grpo_arith, {"rl.dynamic_sampling": True, "rl.kl_coef": 0.05, "rl.kl_target": 0.01, "rl.mini_batches": 2}),
     (grpo_arith, {"sampling.engine": "continuous", "sampling.slots": 4}),
