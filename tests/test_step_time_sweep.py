@@ -1,6 +1,9 @@
-"""A predicted member whose program the target's memory cannot hold is refused by name, not timed."""
+"""The members of a predicted sweep: one whose program the target's memory cannot hold is refused by name, not timed;
+a program several members run is compiled once."""
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -42,3 +45,14 @@ def test_plan_md_names_the_members_left_out():
                 target=None, sweep=dict(topology="v5e:1x1", num_slices=1, lengths="fixed:8", prompt_tokens=8,
                                         response_tokens=8), refused=[dict(batch=64, reason="Batch 64: the decode step does not fit.")])
   assert "Not predicted: batch 64: Batch 64: the decode step does not fit." in planner.render(result)
+
+
+def test_a_program_members_share_is_compiled_and_timed_once(monkeypatch):
+  timed = []
+  monkeypatch.setattr(step_time, "program_time", lambda compiled, rates: timed.append(compiled) or len(timed))
+  timer = step_time._Timer(rates=None)  # pylint: disable=protected-access
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+  lower = lambda f, n: jax.jit(f).lower(jax.ShapeDtypeStruct((n,), jnp.float32))
+  time = lambda lowered: timer.time(lowered, mesh, "a program", 16, "")
+  assert [time(lower(jnp.sin, 8)), time(lower(jnp.sin, 8)), time(lower(jnp.cos, 8)), time(lower(jnp.sin, 16))] == [
+      1, 1, 2, 3]

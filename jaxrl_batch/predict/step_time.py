@@ -14,6 +14,7 @@ optimizer's step is overcounted with it) and the scoring forwards theirs: num_mi
 micro-batches (`rl.packing`) those holding tokens, the sequences placed as the packing places them.
 """
 import dataclasses
+import hashlib
 import logging
 
 import jax
@@ -87,28 +88,37 @@ def _refusal(message: str, what: str, batch: int, knobs: str) -> DoesNotFit | No
                     f"temporaries per chip, {have / aot.GIB:.2f} GiB available. {knobs}")
 
 
-def _fitting(compile_, what: str, batch: int, knobs: str):
-  """`compile_()`, or its out-of-memory refusal as DoesNotFit (`_refusal`)."""
-  try:
-    return compile_()
-  except Exception as e:  # pylint: disable=broad-except  # only an out-of-memory refusal is translated
-    refusal = _refusal(str(e), what, batch, knobs)
-    if refusal is None:
-      raise
-    raise refusal from None
+class _Timer:
+  """Programs timed at `rates`, each compiled once however many members run it: keyed by its lowered text (members
+  of one slot count share their decode steps and prefill; the update's loop differs with the batch)."""
+
+  def __init__(self, rates: Rates):
+    self.rates, self._timed = rates, {}
+
+  def time(self, lowered, mesh, what: str, batch: int, knobs: str) -> ProgramTime:
+    """The roofline of `lowered` compiled under `mesh`, or its out-of-memory refusal as DoesNotFit (`_refusal`)."""
+    key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    if key not in self._timed:
+      try:
+        with jax.set_mesh(mesh):
+          compiled = lowered.compile()
+      except Exception as e:  # pylint: disable=broad-except  # only an out-of-memory refusal is translated
+        refusal = _refusal(str(e), what, batch, knobs)
+        if refusal is None:
+          raise
+        raise refusal from None
+      self._timed[key] = program_time(compiled, self.rates)
+    return self._timed[key]
 
 
-def _compiled(name: str, step: aot._Step):  # pylint: disable=protected-access
-  """Program `name` of the step (`aot.BUILDERS`) compiled, or None where the step does not run it."""
+def _lowered(name: str, step: aot._Step):  # pylint: disable=protected-access
+  """Program `name` of the step (`aot.BUILDERS`) lowered, or None where the step does not run it."""
   built = aot.BUILDERS[name](step)
   if isinstance(built, str):
     return None
   fn, args, kwargs, _, _ = built
-  knobs = ("Fewer rows per forward: micro_batch_size / score_micro_batch_size, model.remat, model.logits_chunk, "
-           "or a larger slice (`launch.aot_check` lists the knobs per program).")
   with jax.set_mesh(step.exp.mesh):
-    return _fitting(lambda: fn.lower(*args, **kwargs).compile(), f"the {name} program",
-                    step.exp.member.batch_size, knobs)
+    return fn.lower(*args, **kwargs)
 
 
 def target(topology: str, config: ml_collections.ConfigDict, num_slices: int = 1) -> tuple[tuple, Rates]:
@@ -151,14 +161,17 @@ def _micro_batches(exp, lengths_B, rows: int) -> int:
 
 
 def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prompt_len: int, response_len: int,
-            num_slices: int = 1, rates: Rates | None = None, reward_s: float = 0.0) -> StepTime:
+            num_slices: int = 1, rates: Rates | None = None, reward_s: float = 0.0,
+            timer: _Timer | None = None) -> StepTime:
   """The step of the member `config` describes on `topology` (`target`), its B requests' response lengths
   `lengths_B` (tokens, EOS included; B of them), prompts of `prompt_len` tokens and the response budget
-  `response_len`; timed at `rates` (default: the target's)."""
+  `response_len`; timed at `rates` (default: the target's), by `timer` where given (`sweep`'s: programs members
+  share are compiled once)."""
   if rates is None:
     devices, rates = target(topology, config, num_slices)
   else:
     devices = tuple(jax.devices("cpu")) if topology == CPU else topologies.compile_only(topology, num_slices).devices
+  timer = timer if timer is not None and timer.rates == rates else _Timer(rates)
   exp = aot._experiment(config, devices, prompt_len, response_len)  # pylint: disable=protected-access
   m, engine = exp.member, exp.engine
   lengths_B = np.asarray(lengths_B)
@@ -184,22 +197,24 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
 
   def decode_seconds(rows: int, length: int) -> float:
     if length not in by_length:
-      compiled = _fitting(lambda: decode_roofline.compile_step(step, _at_length(inputs, length)),
-                          f"the decode step of {block // dp} slots per chip at a cache of {length}", m.batch_size,
-                          knobs)
-      by_length[length] = program_time(compiled, rates)
+      by_length[length] = timer.time(decode_roofline.lower_step(step, _at_length(inputs, length)), exp.mesh,
+                                     f"the decode step of {block // dp} slots per chip at a cache of {length}",
+                                     m.batch_size, knobs)
     return by_length[length].seconds
 
-  programs = dict(prefill=program_time(_compiled("prefill", step), rates))
+  learner_knobs = ("Fewer rows per forward: micro_batch_size / score_micro_batch_size, model.remat, "
+                   "model.logits_chunk, or a larger slice (`launch.aot_check` lists the knobs per program).")
+  programs = dict(prefill=timer.time(_lowered("prefill", step), exp.mesh, "the prefill program", m.batch_size,
+                                     knobs))
   prompts = inputs["prefix"].valid_QxP.shape[0]  # the compiled prefill's prompt rows
   rollout = schedule.time(decode_seconds, lambda q: programs["prefill"].seconds * q / prompts)
   decode_seconds(block, max(s.cache_length for s in schedule.segments) if schedule.segments else
                  inputs["state"].cache.length)
   programs["decode"] = by_length[max(by_length)]
   for name in ("score", "reference", "update"):
-    compiled = _compiled(name, step)
-    if compiled is not None:
-      programs[name] = program_time(compiled, rates)
+    lowered = _lowered(name, step)
+    if lowered is not None:
+      programs[name] = timer.time(lowered, exp.mesh, f"the {name} program", m.batch_size, learner_knobs)
   seconds = lambda name, times: programs[name].seconds * times if name in programs else 0.0
   scored = _micro_batches(exp, lengths_B, m.batch_size)
   epochs = m.updates_per_step * m.mini_batch_size / m.batch_size  # passes over the batch's mini-batches
@@ -214,15 +229,16 @@ def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_le
   drawn from `lengths_spec` (`lengths.response_lengths`, the same seed for every member), all at the rates of the
   first member's target (CPU rates are measured once). A member whose program the target cannot hold is its
   DoesNotFit (the others are still predicted); ValueError where none fits."""
-  steps, rates = {}, None
+  steps, rates, timer = {}, None, None
   for batch in batches:
     config = member_config(batch)
     if rates is None:
       rates = target(topology, config, num_slices)[1]
+      timer = _Timer(rates)
     drawn = lengths.response_lengths(lengths_spec, batch, response_len)
     try:
       steps[batch] = predict(config, topology, drawn, prompt_len=prompt_len, response_len=response_len,
-                             num_slices=num_slices, rates=rates)
+                             num_slices=num_slices, rates=rates, timer=timer)
     except DoesNotFit as e:
       steps[batch] = e
       logging.warning("%s", e)

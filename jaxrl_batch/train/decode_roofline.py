@@ -142,15 +142,21 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
   return chip, points
 
 
-def compile_step(step_: aot._Step, inputs: dict):
-  """`step` compiled for the engine's slots as `aot._engine_inputs` lays them out (every slot live, the cache at its
+def lower_step(step_: aot._Step, inputs: dict):
+  """`step` lowered for the engine's slots as `aot._engine_inputs` lays them out (every slot live, the cache at its
   longest bucket)."""
   state, call = inputs["state"], inputs["call"]
   uid_S = jax.ShapeDtypeStruct(state.token_S.shape, jnp.int32, sharding=state.token_S.sharding)
   with jax.set_mesh(step_.exp.mesh):
     return step.lower(step_.models.graphdef, step_.sampler_params, state, uid_S, inputs["key"],
                       p=inputs["prefix"].valid_QxP.shape[1], sampling=call.sampling,
-                      backend=call.engine.attention_backend).compile()
+                      backend=call.engine.attention_backend)
+
+
+def compile_step(step_: aot._Step, inputs: dict):
+  """`lower_step` compiled."""
+  with jax.set_mesh(step_.exp.mesh):
+    return lower_step(step_, inputs).compile()
 
 
 def resolved_backend_for(mesh, backend: str) -> str:
