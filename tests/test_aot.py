@@ -49,8 +49,8 @@ def test_parse_oom():
 @pytest.mark.usefixtures("libtpu")
 @pytest.mark.slow
 def test_a_plan_too_big_for_hbm_is_reported_not_raised():
-  config = grpo_gsm8k_qwen.get_config("model=tiny_random")
-  config.model.vocab_size = 40_000_000  # Logits and embedding gradients of a 40M-row table: > 100 GiB per chip.
+  # Logits and embedding gradients of a 40M-row table: > 100 GiB per chip.
+  config = _tiny_with(**{"model.vocab_size": 40_000_000})
   report = aot.check(config, "v5e:2x2", programs=("update",), prompt_len=32, response_len=32)
   update = report.program("update")
   assert update.status == "does_not_fit" and "RESOURCE_EXHAUSTED" in update.message, update.message
@@ -64,10 +64,10 @@ def test_a_plan_too_big_for_hbm_is_reported_not_raised():
 @pytest.mark.slow
 @pytest.mark.usefixtures("libtpu")
 def test_cli_compiles_the_update_for_v5e_with_its_memory_and_costs(tmp_path):
-  # tiny_random: 16 rollouts in micro-batches of 8 (2 per update) on a 4-chip data-parallel mesh.
+  # tiny_random (one layer): 16 rollouts in micro-batches of 8 (2 per update) on a 4-chip data-parallel mesh.
   cmd = [sys.executable, "-m", "launch.aot_check", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
-         "--topology=v5e:2x2", "--programs=update,score", "--prompt_tokens=64", "--response_tokens=64",
-         f"--out={tmp_path}"]
+         "--config.model.num_layers=1", "--topology=v5e:2x2", "--programs=update,score", "--prompt_tokens=64",
+         "--response_tokens=64", f"--out={tmp_path}"]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "update" in done.stdout and "fits with" in done.stdout
@@ -115,8 +115,7 @@ def test_chunked_logits_and_rollout_blocks_compile_for_v5e():
   """The update's temporaries with 32-position logit chunks are under half the whole-sequence form's (a 40,000-token
   vocabulary makes the float32 logits dominate); the rollout compiles as one block of all rows and as blocks of
   `sampling.slots` (a PRNG key argument)."""
-  config = grpo_gsm8k_qwen.get_config("model=tiny_random")
-  config.model.vocab_size = 40_000
+  config = _tiny_with(**{"model.vocab_size": 40_000})
 
   def update_temps(chunk):
     config.model.logits_chunk = chunk
@@ -143,12 +142,14 @@ def test_the_lora_update_compiles_for_one_v5e_chip_with_optimizer_state_for_the_
   topology = compile_only_tpu("v5e:1x1")
   assert topology.num_chips == 1 and topology.hbm_bytes == topologies.CHIPS["v5e"].hbm_bytes
   config = grpo_gsm8k_qwen.get_config("model=tiny_random,lora=4")
+  config.model.num_layers = 1  # as _tiny_with's
   report = aot.check(config, "v5e:1x1", programs=("update",), prompt_len=32, response_len=32)
   assert report.program("update").status == "fits", report.program("update").verdict
   step = aot._Step.build(aot._experiment(config, topology.devices, 32, 32))  # pylint: disable=protected-access
   fn, args, kwargs, _, _ = aot.BUILDERS["update"](step)
   with jax.set_mesh(step.exp.mesh):
-    state = fn.lower(*args, **kwargs).compile().args_info[0][0]  # the compiled program's state argument
+    # The program's state argument, as lowered: the arguments check() compiled above (not compiled twice).
+    state = fn.lower(*args, **kwargs).args_info[0][0]
   adapters, base = lora.split(state["params"])
   size = lambda leaves: sum(int(np.prod(x.shape)) for x in leaves)
   moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.shape]  # Adam's mu and nu (scalars: its count)
@@ -205,6 +206,7 @@ def test_the_update_compiles_for_h100s_and_fits(monkeypatch):
   device JAX's allocator takes (XLA_CLIENT_MEM_FRACTION); no costs (GPU executables have no cost analysis)."""
   monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
   config = grpo_gsm8k_qwen.get_config("model=tiny_random,mesh=1x2x1")
+  config.model.num_layers = 1  # as _tiny_with's
   report = aot.check(config, "h100:2", programs=("update",), prompt_len=32, response_len=32)
   hbm = int(0.9 * topologies.GPUS["h100"].hbm_bytes)
   assert report.topology == dict(
@@ -227,8 +229,8 @@ def test_the_update_compiles_for_h100s_and_fits(monkeypatch):
 def test_a_plan_too_big_for_an_h100_compiles_and_is_reported():
   """The GPU compiler does not refuse a plan larger than the device (the TPU compiler's out-of-memory error): the
   program compiles and its memory_analysis gives the verdict."""
-  config = grpo_gsm8k_qwen.get_config("model=tiny_random")
-  config.model.vocab_size = 40_000_000  # Logits and embedding gradients of a 40M-row table: > 100 GiB per GPU.
+  # Logits and embedding gradients of a 40M-row table: > 100 GiB per GPU.
+  config = _tiny_with(**{"model.vocab_size": 40_000_000})
   update = aot.check(config, "h100:1", programs=("update",), prompt_len=32, response_len=32).program("update")
   assert update.status == "does_not_fit" and update.message == "", update.message
   assert update.memory.total_bytes > update.memory.hbm_bytes and update.memory.argument_bytes > 0
@@ -259,7 +261,8 @@ def test_flash_gpu_compiled_for_h100s_needs_a_fraction_of_dense_temporaries():
 @pytest.mark.usefixtures("cuda_plugin")
 def test_cli_compiles_for_gpu_nodes(tmp_path):
   base = [sys.executable, "-m", "launch.aot_check", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
-          "--programs=update", "--prompt_tokens=32", "--response_tokens=32", f"--out={tmp_path}"]
+          "--config.model.num_layers=1", "--programs=update", "--prompt_tokens=32", "--response_tokens=32",
+          f"--out={tmp_path}"]
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
   both = subprocess.run(base + ["--gpu=h100", "--topology=v5e:2x2"], cwd=ROOT, capture_output=True, text=True,
                         timeout=120, check=False, env=env)
@@ -283,8 +286,10 @@ def test_cli_compiles_for_gpu_nodes(tmp_path):
 
 
 def _tiny_with(**overrides):
-  """tiny_random with `overrides` ('group.key': value)."""
+  """tiny_random with one layer (each program compiles in less time; every layer is the same program part) and
+  `overrides` ('group.key': value)."""
   config = grpo_gsm8k_qwen.get_config("model=tiny_random")
+  config.model.num_layers = 1
   for key, value in overrides.items():
     group, _, name = key.rpartition(".")
     (config[group] if group else config)[name] = value
@@ -345,15 +350,28 @@ def test_paged_engine_pool_and_reprefill_compile_for_one_v5e_chip():
   assert pages <= grown <= pages + 4096, (grown, pages)
 
 
-@pytest.mark.usefixtures("libtpu")
+def _partial(carry_kv: bool):
+  """Partial rollouts on the continuous engine, 2 slots a chip, keeping the carried slots' KV cache or not."""
+  return _tiny_with(**{"sampling.engine": "continuous", "sampling.slots": 2, "rollout.partial": True,
+                       "rollout.carry_kv": carry_kv})
+
+
+@pytest.fixture(name="partial_report", scope="module")
+def _partial_report(compile_only_tpu):
+  """The partial rollouts' programs and update (carry_kv, the default) for v5e:2x2, compiled once for the two tests
+  below (one xdist group: one worker compiles them)."""
+  compile_only_tpu("v5e:2x2")
+  return aot.check(_partial(True), "v5e:2x2", programs=("rollout", "prefill", "decode", "reprefill", "update"),
+                   prompt_len=32, response_len=32)
+
+
 @pytest.mark.slow
-def test_partial_rollouts_compile_their_prefill_decode_and_reprefill_for_v5e():
+@pytest.mark.xdist_group("aot_partial")
+def test_partial_rollouts_compile_their_prefill_decode_and_reprefill_for_v5e(partial_report):
   """rollout.partial: the call holds 8 carried + 2 steps x 16 new requests and 8 + 2 x 4 prompt rows; the
   re-prefill of carried sequences returns a new slot cache (not donated: the old one is live meanwhile)."""
   from jaxrl_batch.model import KVCache, ModelConfig  # pylint: disable=import-outside-toplevel
-  config = _tiny_with(**{"sampling.engine": "continuous", "sampling.slots": 2, "rollout.partial": True})
-  report = aot.check(config, "v5e:2x2", programs=("rollout", "prefill", "decode", "reprefill"), prompt_len=32,
-                     response_len=32)
+  config, report = _partial(True), partial_report
   assert "rollout.partial" in report.program("rollout").verdict
   prefill, decode, reprefill = (report.program(name) for name in ("prefill", "decode", "reprefill"))
   for p in (prefill, decode, reprefill):
@@ -365,17 +383,15 @@ def test_partial_rollouts_compile_their_prefill_decode_and_reprefill_for_v5e():
   assert decode.memory.alias_bytes >= cache
 
 
-@pytest.mark.usefixtures("libtpu")
 @pytest.mark.slow
-def test_carried_slots_stay_resident_through_the_update_with_carry_kv():
+@pytest.mark.xdist_group("aot_partial")
+def test_carried_slots_stay_resident_through_the_update_with_carry_kv(partial_report):
   """rollout.carry_kv keeps the slots' KV cache on the chips while the learner trains: the update counts it."""
   from jaxrl_batch.model import KVCache, ModelConfig  # pylint: disable=import-outside-toplevel
-  resident = {}
-  for carry_kv in (False, True):
-    config = _tiny_with(**{"sampling.engine": "continuous", "sampling.slots": 2, "rollout.partial": True,
-                           "rollout.carry_kv": carry_kv})
-    report = aot.check(config, "v5e:2x2", programs=("update",), prompt_len=32, response_len=32)
-    resident[carry_kv] = report.program("update").memory.resident_bytes
+  config = _partial(False)
+  report = aot.check(config, "v5e:2x2", programs=("update",), prompt_len=32, response_len=32)
+  resident = {False: report.program("update").memory.resident_bytes,
+              True: partial_report.program("update").memory.resident_bytes}
   cache = KVCache.bytes_for(ModelConfig.from_config(config.model), 2, 128)  # 2 slots per chip, 63 positions in 128
   assert cache <= resident[True] - resident[False] < 2 * cache
 

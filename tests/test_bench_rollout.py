@@ -16,7 +16,9 @@ from jaxrl_batch.sampling.benchmark import Settings, draw_lengths, sweep
 from jaxrl_batch.sampling.roofline import expected_distinct_experts, step_roofline
 from launch import bench_rollout
 
-TINY = Settings(concurrency=(1, 2), d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
+# One layer: the engines, the report and the roofline treat every layer alike (the MoE sweep's distinct experts, a
+# mean over layers, keeps two).
+TINY = Settings(concurrency=(1, 2), d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
                 vocab_size=128, prompt_len=4, new_tokens=8, repeats=2, bandwidth_mb=4, matmul_size=64)
 # Differences of two timings (decode = full run - prefill) can come out negative for a tiny model on a busy machine.
 TIMED = ("decode_tok_s", "decode_step_ms", "roofline_fraction")
@@ -85,6 +87,7 @@ def test_engines_on_long_tailed_lengths(tmp_path):
 def test_a_paged_cache_at_more_slots_in_less_memory(tmp_path):
   # 16 long-tailed requests: a pool of 8 pages of 4 slots holds 8 slots' sequences in less memory than the slot
   # cache of 4 (4 x 27 slots + the 16 prompts' prefix); at 8 slots it runs short and preempts, the same tokens.
+  # kv_cache_bytes: (k, v) x 1 layer x slots x 2 kv heads x 8 x 4 bytes.
   out = tmp_path / "bench.json"
   s = dataclasses.replace(TINY, **dict(ENGINES, engine=("static", "continuous", "paged")),
                           length_dist="lognormal:6:24", rollouts=16, slots=(4, 8), page_size=4, pages=8)
@@ -94,7 +97,7 @@ def test_a_paged_cache_at_more_slots_in_less_memory(tmp_path):
   paged = records["paged", 8]
   assert (paged["page_size"], paged["pages"]) == (4, 8) and paged["pages_peak"] <= 8 and paged["preempted"] > 0
   assert paged["same_tokens_vs_static"] == 1.0 and paged["reprefill_s"] > 0
-  assert paged["kv_cache_bytes"] < records["continuous", 4]["kv_cache_bytes"] == 2 * 2 * (4 * 27 + 16 * 4) * 2 * 8 * 4
+  assert paged["kv_cache_bytes"] < records["continuous", 4]["kv_cache_bytes"] == 2 * 1 * (4 * 27 + 16 * 4) * 2 * 8 * 4
   assert records["continuous", 8]["kv_cache_bytes"] > records["continuous", 4]["kv_cache_bytes"]
   assert records["paged", 4]["kv_cache_bytes"] == paged["kv_cache_bytes"]
 
@@ -123,8 +126,10 @@ def test_partial_rollouts_in_steady_state(tmp_path):
 @pytest.mark.slow
 def test_a_point_without_a_steady_state_step_is_refused(tmp_path):
   # 16 requests on 8 slots, steps of 6 decode steps: only the first step ends with requests still queued, and it
-  # starts from empty slots with nothing carried in (not a steady state), so there is nothing to report.
-  s = dataclasses.replace(TINY, **ENGINES, length_dist="lognormal:6:24", rollouts=16, slots=(8,), partial_budget=6)
+  # starts from empty slots with nothing carried in (not a steady state), so there is nothing to report. The partial
+  # record alone refuses it: the continuous engine is the only other one measured.
+  s = dataclasses.replace(TINY, **dict(ENGINES, engine=("continuous",)), length_dist="lognormal:6:24", rollouts=16,
+                          slots=(8,), partial_budget=6)
   with pytest.raises(RuntimeError, match="no step of 16 requests on 8 slots after the first"):
     bench_rollout.run(s, str(tmp_path / "bench.json"))
 
@@ -144,7 +149,8 @@ def test_moe_sweep_measures_the_experts_a_step_reads(tmp_path):
   # 16 experts, 2 a token: random routers route nearly uniformly, so the distinct experts the decode steps' rows
   # chose match E (1 - (1 - k / E)^c): 2 at c = 1 (exactly), 3.75 at 2, 10.5 at 8.
   out = tmp_path / "bench.json"
-  s = dataclasses.replace(TINY, concurrency=(1, 2, 8), num_experts=16, num_experts_per_tok=2, moe_d_ff=16)
+  s = dataclasses.replace(TINY, num_layers=2, concurrency=(1, 2, 8), num_experts=16, num_experts_per_tok=2,
+                          moe_d_ff=16)
   report = bench_rollout.run(s, str(out))
   _check(report, out, (1, 2, 8))
   assert report["num_active_params"] < report["num_params"]

@@ -199,40 +199,52 @@ def test_adapter_gradients_reach_every_expert_adapter_and_equal_the_merged_weigh
   assert not np.any(at_init["a"]) and np.abs(at_init["b"]).max() > 0
 
 
+ROWS = 8  # rows of the expert-parallel test's batch: 4 per data shard on (2, 1, 2, 2)
+
+
+def _loss_and_adapter_grads(graphdef, params, mesh, tokens, valid):
+  """The next-token loss and its gradients in the adapters of `params` (rows over the mesh's batch axes)."""
+  adapters, base = lora.split(params)
+  batch = jax.device_put((tokens, valid), sharding.batch_sharding(mesh))
+  with jax.set_mesh(mesh):
+    return jax.jit(jax.value_and_grad(lambda ad, t, v: next_token_loss(graphdef, lora.merge(base, ad), t, v)))(
+        adapters, *batch)
+
+
+@pytest.fixture(name="one_device_reference", scope="module")
+def _one_device_reference():
+  """The expert-parallel test's batch, the one-device model with random adapters, its loss and adapter gradients,
+  and the loss of a model without adapters holding `lora.merged`: computed once for both meshes."""
+  tokens = jax.random.randint(jax.random.key(7), (ROWS, 6), 0, CFG.vocab_size)
+  valid = jnp.ones((ROWS, 6), bool).at[::2, :2].set(False)
+  one = sharding.make_mesh(1, 1, 1, devices=ONE)
+  graphdef1, params1 = _model(one)
+  params1 = _random_adapters(params1)
+  plain, _ = _model(one, lora_cfg=None)
+  loss1, grads1 = _loss_and_adapter_grads(graphdef1, params1, one, tokens, valid)
+  merged_loss = jax.jit(lambda p: next_token_loss(plain, p, tokens, valid))(lora.merged(params1, LORA))
+  return tokens, valid, params1, loss1, grads1, merged_loss
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("lora_moe_expert_mesh")  # one worker computes the one-device reference for both meshes
 # (1, 1, 1, 8) adds no path these two leave out (25 s of the suite): expert 4 with tensor 2 and chunks, and data 2.
-@pytest.mark.parametrize("mesh_shape, rows, moe_chunk", [((1, 1, 2, 4), 8, 5), ((2, 1, 2, 2), 2, CFG.moe_chunk)])
-def test_expert_parallel_mesh_gives_the_merged_weights_loss_and_the_same_adapter_grads(mesh_shape, rows, moe_chunk):
+@pytest.mark.parametrize("mesh_shape, moe_chunk", [((1, 1, 2, 4), 5), ((2, 1, 2, 2), CFG.moe_chunk)])
+def test_expert_parallel_mesh_gives_the_merged_weights_loss_and_the_same_adapter_grads(mesh_shape, moe_chunk,
+                                                                                       one_device_reference):
   """(data, fsdp, tensor, expert): the adapters split over `expert` with their experts (and w_down's a over
   `tensor`); the loss is the one-device merged model's and the adapters' gradients the one-device model's."""
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py fakes them on CPU)")
   data, fsdp, tensor, expert = mesh_shape
-  cfg = dataclasses.replace(CFG, moe_chunk=moe_chunk)
-  tokens = jax.random.randint(jax.random.key(7), (rows, 6), 0, CFG.vocab_size)
-  valid = jnp.ones((rows, 6), bool).at[::2, :2].set(False)
-  one = sharding.make_mesh(1, 1, 1, devices=ONE)
-  graphdef1, params1 = _model(one)
-  params1 = _random_adapters(params1)
-  plain, _ = _model(one, lora_cfg=None)
+  tokens, valid, params1, loss1, grads1, merged_loss = one_device_reference
   mesh = sharding.make_mesh(data, fsdp, tensor, expert=expert)
-  graphdef8, params8 = _model(mesh, cfg)
+  graphdef8, params8 = _model(mesh, dataclasses.replace(CFG, moe_chunk=moe_chunk))
   params8 = jax.tree.map(lambda x, like: jax.device_put(x, like.sharding), params1, params8)
   adapter = params8["blocks"][0]["mlp"]["w_down_lora"]
   assert adapter["a"].addressable_shards[0].data.shape == (CFG.num_experts // expert, CFG.moe_d_ff // tensor, 4)
   assert adapter["b"].addressable_shards[0].data.shape == (CFG.num_experts // expert, 4, CFG.d_model)
-
-  def loss_and_grads(graphdef, params, mesh):
-    adapters, base = lora.split(params)
-    batch = jax.device_put((tokens, valid), sharding.batch_sharding(mesh) if rows % sharding.data_parallel_size(mesh)
-                           == 0 else sharding.replicated(mesh))
-    with jax.set_mesh(mesh):
-      return jax.jit(jax.value_and_grad(lambda ad, t, v: next_token_loss(graphdef, lora.merge(base, ad), t, v)))(
-          adapters, *batch)
-
-  loss8, grads8 = loss_and_grads(graphdef8, params8, mesh)
-  loss1, grads1 = loss_and_grads(graphdef1, params1, one)
-  merged_loss = jax.jit(lambda p: next_token_loss(plain, p, tokens, valid))(lora.merged(params1, LORA))
+  loss8, grads8 = _loss_and_adapter_grads(graphdef8, params8, mesh, tokens, valid)
   np.testing.assert_allclose(loss8, merged_loss, rtol=1e-5)
   np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads1, grads8)
