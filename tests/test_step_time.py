@@ -22,7 +22,10 @@ def _lengths(batch: int, seed: int = 0):
 
 
 def _config(batch: int, **sampling):
+  """tiny_random with one layer (its programs compile in less time; a step's parts and schedule are per program, not
+  per layer) at `batch` rollouts, with `sampling` settings."""
   config = grpo_gsm8k_qwen.get_config(f"model=tiny_random,batch={batch}")
+  config.model.num_layers = 1
   config.sampling.update(sampling)
   return config
 
@@ -70,7 +73,7 @@ def test_plan_batch_predicts_r_on_a_topology_without_training(tmp_path, compile_
   (tmp_path / "analysis.json").write_text(json.dumps(analysis))
   cmd = [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
          f"--workdir={tmp_path}", "--topology=v5e:2x2", "--batches=16,32", "--prompt_tokens=32",
-         "--response_tokens=32", "--lengths=lognormal:12:0.7"]
+         "--response_tokens=32", "--lengths=lognormal:12:0.7", "--set=model.num_layers=1"]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
   plan = json.loads((tmp_path / "plan.json").read_text())
