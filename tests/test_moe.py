@@ -168,6 +168,7 @@ def _loss_and_grads(mesh, rows: int, moe_chunk: int = CFG.moe_chunk):
                                                          ((1, 1, 1, 8), 8, CFG.moe_chunk),
                                                          ((1, 1, 2, 4), 2, CFG.moe_chunk), ((1, 1, 1, 8), 8, 5)])
 @pytest.mark.slow
+@pytest.mark.xdist_group("moe_expert_mesh")  # one worker: its _loss_and_grads cache computes each reference once
 def test_expert_parallel_mesh_gives_same_loss_and_grads(mesh_shape, rows, moe_chunk):
   """(data, fsdp, tensor, expert): tokens gathered over the expert axis; with 2 rows on 4 expert devices the
   tokens are replicated over it instead; moe_chunk=5: a device's 48 gathered tokens 5 at a time."""
