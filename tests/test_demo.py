@@ -76,6 +76,9 @@ def test_batch_on_paper_notebook_runs_reduced(tmp_path, monkeypatch, base_cache,
   namespace = run_notebook("batch_on_paper.ipynb", tmp_path, base_cache, monkeypatch)
   steps, plan = namespace["steps"]["v5e:2x2"], namespace["plans"]["v5e:2x2"]
   assert list(steps) == namespace["BATCHES"] == [16, 64]
+  # 4 and 16 rollouts a chip: the first on 4 slots, the second on the cap, 8 slots refilled as rows end.
+  assert {s.rows for s in steps[16].schedule.segments} == {16} and {s.rows for s in steps[64].schedule.segments} == {32}
+  assert sum(s.admitted for s in steps[64].schedule.segments) > 32 and not namespace["refused"]["v5e:2x2"]
   generation = [steps[b].generation_per_s for b in steps]
   assert generation == sorted(generation)  # decode is bandwidth-bound at these concurrencies
   for row in plan["rows"]:
