@@ -73,6 +73,13 @@ class StepTime:
                 peak_bytes={name: p.peak_bytes for name, p in self.programs.items()})
 
 
+# What shrinks a refused program (DoesNotFit's advice): the engine's, by its slots a chip; the learner's.
+_DECODE_KNOBS = ("Fewer sequences at once: sampling.engine=continuous with sampling.slots below {slots} per chip (its "
+                 "KV cache is slots x the prompt and response budget), a shorter budget, or a larger slice.")
+_LEARNER_KNOBS = ("Fewer rows per forward: micro_batch_size / score_micro_batch_size, model.remat, model.logits_chunk, "
+                  "or a larger slice (`launch.aot_check` lists the knobs per program).")
+
+
 class DoesNotFit(ValueError):
   """A member's program is too big for the target's memory (the TPU compiler refuses it): no time to predict."""
 
@@ -182,8 +189,7 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   # The member's step with its rollout on `block` slots: the decode step, the prefill and the learner's programs
   # (which the engine's settings leave unchanged) compile against it.
   step, inputs = decode_roofline.engine_step(config, devices, exp.prompt_len, exp.response_len, block // dp)
-  knobs = (f"Fewer sequences at once: sampling.engine=continuous with sampling.slots below {block // dp} per chip "
-           "(its KV cache is slots x the prompt and response budget), a shorter budget, or a larger slice.")
+  knobs = _DECODE_KNOBS.format(slots=block // dp)
   if isinstance(inputs, str):
     raise (_refusal(inputs, f"the decode step of {block // dp} slots per chip (its cache)", m.batch_size, knobs)
            or ValueError(f"The decode step of {block // dp} slots per shard cannot be laid out: {inputs}"))
@@ -202,8 +208,6 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
                                      m.batch_size, knobs)
     return by_length[length].seconds
 
-  learner_knobs = ("Fewer rows per forward: micro_batch_size / score_micro_batch_size, model.remat, "
-                   "model.logits_chunk, or a larger slice (`launch.aot_check` lists the knobs per program).")
   programs = dict(prefill=timer.time(_lowered("prefill", step), exp.mesh, "the prefill program", m.batch_size,
                                      knobs))
   prompts = inputs["prefix"].valid_QxP.shape[0]  # the compiled prefill's prompt rows
@@ -214,7 +218,7 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   for name in ("score", "reference", "update"):
     lowered = _lowered(name, step)
     if lowered is not None:
-      programs[name] = timer.time(lowered, exp.mesh, f"the {name} program", m.batch_size, learner_knobs)
+      programs[name] = timer.time(lowered, exp.mesh, f"the {name} program", m.batch_size, _LEARNER_KNOBS)
   seconds = lambda name, times: programs[name].seconds * times if name in programs else 0.0
   scored = _micro_batches(exp, lengths_B, m.batch_size)
   epochs = m.updates_per_step * m.mini_batch_size / m.batch_size  # passes over the batch's mini-batches
