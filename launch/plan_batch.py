@@ -29,6 +29,7 @@ launch.analyze reads S. The last two read no analysis.json, with or without --to
   python -m launch.plan_batch --config=configs/grpo_reasoning.py --workdir=/tmp/plan --noise_run=/tmp/noise_b32 \
       --target=0.66 --batches=16,32,64,128
 """
+import dataclasses
 import json
 import os
 
@@ -46,7 +47,8 @@ flags.DEFINE_list("batches", ["32", "64", "128", "256", "512", "1024"], "Batches
 flags.DEFINE_integer("steps", 4, "Training steps per swept batch besides the warm-up (the first, compiling, is not "
                      "timed).")
 flags.DEFINE_integer("warmup", 5, "Untimed steps after the compiling one (XLA:CPU still compiles rarer shapes).")
-flags.DEFINE_integer("min_samples", 1024, "Timed samples per swept batch at least: small batches run more steps.")
+flags.DEFINE_integer("min_samples", 1024, "Timed samples per swept batch at least: small batches run more steps. "
+                     "With --topology: each member's step is the mean over this many rollouts' drawn lengths.")
 flags.DEFINE_integer("repeats", 1, "Rounds of the sweep (each batch once per round, pooled): more rounds average "
                      "out the drift of a shared machine.")
 flags.DEFINE_list("learn_batches", [], "Batches whose members the S(B) fit uses (default: every member that reached "
@@ -68,7 +70,10 @@ flags.DEFINE_integer("smooth", 1, "With --noise_run: odd number of evaluation po
                      "its curve is read on (as launch.analyze's --smooth).")
 flags.DEFINE_string("lengths", "lognormal:512:1.0", f"With --topology: the response lengths' distribution "
                     f"({lengths.FORMS}), in tokens, clipped to --response_tokens.")
-flags.DEFINE_integer("prompt_tokens", 256, "With --topology: prompt length in tokens.", lower_bound=1)
+flags.DEFINE_integer("prompt_tokens", 256, "With --topology: prompt length in tokens (prompts padded to it).",
+                     lower_bound=1)
+flags.DEFINE_string("prompt_lengths", None, f"With --topology: the prompts' own lengths ({lengths.FORMS}), clipped "
+                    "to --prompt_tokens, which packed micro-batches hold without padding (default: --prompt_tokens).")
 flags.DEFINE_integer("response_tokens", 1024, "With --topology: the response budget in tokens.", lower_bound=1)
 list_flags.integers("batches", 1, "rollouts per step", "32,64,128")
 list_flags.integers("learn_batches", 1, "rollouts per step of analysed members", "64,256")
@@ -110,7 +115,9 @@ def main(argv):
     steps = {b: s for b, s in steps.items() if not isinstance(s, step_time.DoesNotFit)}
     swept = {b: step.samples_per_s for b, step in steps.items()}
     sweep = dict(topology=FLAGS.topology, num_slices=FLAGS.num_slices, lengths=FLAGS.lengths,
-                 prompt_tokens=FLAGS.prompt_tokens, response_tokens=FLAGS.response_tokens)
+                 prompt_tokens=FLAGS.prompt_tokens, response_tokens=FLAGS.response_tokens,
+                 prompt_lengths=FLAGS.prompt_lengths, min_samples=FLAGS.min_samples,
+                 rates=dataclasses.asdict(next(iter(steps.values())).programs["decode"].rates))
   else:
     steps, refused = {}, []
     swept = throughput_sweep(FLAGS.config, os.path.join(FLAGS.workdir, "throughput"), batches, FLAGS.rule,
@@ -125,6 +132,7 @@ def main(argv):
   for row in result["rows"]:
     if row["batch"] in steps:
       row["step"] = steps[row["batch"]].to_json()
+  os.makedirs(FLAGS.workdir, exist_ok=True)  # a plan of predicted or given figures may be the directory's first file
   with open(os.path.join(FLAGS.workdir, "plan.json"), "w") as f:
     json.dump(result, f, indent=2)
   table = planner.render(result)
@@ -173,7 +181,8 @@ def _predicted_steps(batches: list[int]) -> dict[int, step_time.StepTime | step_
   module = load_config_module(path)
   member = lambda batch: member_config(module, base_arg, dict(batch=batch, lr_rule=FLAGS.rule, seed=0), FLAGS.set)
   return step_time.sweep(member, batches, FLAGS.topology, FLAGS.lengths, prompt_len=FLAGS.prompt_tokens,
-                         response_len=FLAGS.response_tokens, num_slices=FLAGS.num_slices)
+                         response_len=FLAGS.response_tokens, num_slices=FLAGS.num_slices,
+                         prompt_lengths_spec=FLAGS.prompt_lengths, samples=FLAGS.min_samples)
 
 
 if __name__ == "__main__":

@@ -86,9 +86,9 @@ def test_noise_run_errors_name_the_fix(tmp_path):
 # In a child process (the launchers' flag names overlap, so none is imported here): plan_batch's flag checks, then its
 # main with --noise_run and --topology, R(B) faked as B samples/s (step_time.sweep compiles; nothing here may).
 _PROBE = r"""
-import json, sys
+import json, sys, types
 from absl import flags
-from jaxrl_batch.predict import step_time
+from jaxrl_batch.predict import program_time, step_time
 from launch import plan_batch
 
 run, workdir = sys.argv[1:]
@@ -104,6 +104,7 @@ for extra in (["--samples_model=100:50", f"--noise_run={run}", "--target=0.65"],
   FLAGS.unparse_flags()
 
 class Step:
+  programs = dict(decode=types.SimpleNamespace(rates=program_time.Rates("v5p", 459e12, 2765e9, 600e9, "published")))
   def __init__(self, batch):
     self.samples_per_s = float(batch)
   def to_json(self):
@@ -118,8 +119,7 @@ print(json.dumps(errors))
 
 def test_plan_batch_records_the_noise_run_and_refuses_mixed_sources(tmp_path):
   run = write_noise_run(tmp_path / "noise")
-  workdir = tmp_path / "plan"
-  workdir.mkdir()
+  workdir = tmp_path / "plan"  # not made: a plan of predicted figures makes its directory
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _PROBE, run, str(workdir)], cwd=ROOT, capture_output=True, text=True,
                         timeout=120, env=env)
@@ -135,4 +135,5 @@ def test_plan_batch_records_the_noise_run_and_refuses_mixed_sources(tmp_path):
   rows = {r["batch"]: r for r in plan["rows"]}
   assert rows[128]["predicted_time_to_target_s"] == pytest.approx(160 / 1.8 * (1 + 128 / 80) / 128)
   assert rows[32]["predicted"] and rows[32]["step"] == dict(seconds=1.0)
+  assert plan["sweep"]["rates"]["name"] == "v5p" and plan["sweep"]["min_samples"] == 1024
   assert "from the noise-scale run" in (workdir / "plan.md").read_text()

@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from configs import grpo_gsm8k_qwen
 from jaxrl_batch.predict import engine_time, lengths, step_time
+from jaxrl_batch.train import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT, RESPONSE = 32, 32
@@ -38,7 +40,7 @@ def test_the_step_is_its_programs_times_the_engines_schedule(compile_only_tpu):
   got = step_time.predict(config, "v5e:2x2", lengths, prompt_len=PROMPT, response_len=RESPONSE)
   schedule = engine_time.continuous(lengths, slots=8, chunk=4, max_new_tokens=RESPONSE, prompt_len=PROMPT,
                                     group_size=4, backend="pallas")
-  assert got.schedule == schedule and got.schedule.decode_steps > 0
+  assert got.schedules == (schedule,) and got.decode_steps == schedule.decode_steps > 0
   decode, prefill, update = (got.programs[name].seconds for name in ("decode", "prefill", "update"))
   assert got.rollout.decode_s == pytest.approx(schedule.decode_steps * decode)
   assert got.rollout.prefill_s == pytest.approx(prefill)  # one prefill of the step's 4 prompts
@@ -61,6 +63,12 @@ def test_a_larger_batch_decodes_more_rows_a_step_at_nearly_the_same_cost(compile
 def test_lengths_must_be_one_a_rollout():
   with pytest.raises(ValueError, match="one a rollout"):
     step_time.predict(_config(16), "v5e:2x2", _lengths(8), prompt_len=PROMPT, response_len=RESPONSE)
+  with pytest.raises(ValueError, match="one a rollout"):  # prompts' lengths of another shape than the responses'
+    step_time.predict(_config(16), "v5e:2x2", _lengths(16), prompt_len=PROMPT, response_len=RESPONSE,
+                      prompt_lengths_B=np.full((2, 16), PROMPT))
+  with pytest.raises(ValueError, match=r"Prompt lengths must be in \[1, 32\]"):
+    step_time.predict(_config(16), "v5e:2x2", _lengths(16), prompt_len=PROMPT, response_len=RESPONSE,
+                      prompt_lengths_B=np.full(16, PROMPT + 1))
 
 
 @pytest.mark.slow
@@ -107,11 +115,28 @@ def test_on_this_cpu_each_cache_bucket_is_timed_by_its_own_compiled_step():
   """The "cpu" target: this machine's devices at measured rates; the xla backend's buckets (64 and 127 slots for
   32 + 96 tokens) each timed by the step compiled at that length, the longer one reading more."""
   config = _config(16, engine="continuous", slots=2, chunk=8)
-  lengths = np.random.default_rng(1).integers(40, 97, 16)
-  got = step_time.predict(config, step_time.CPU, lengths, prompt_len=PROMPT, response_len=96)
+  lengths_DxB = np.random.default_rng(1).integers(40, 97, (2, 16))  # two draws of the step's lengths
+  got = step_time.predict(config, step_time.CPU, lengths_DxB, prompt_len=PROMPT, response_len=96)
   rates = got.programs["decode"].rates
   assert rates.name == "this machine's CPU" and rates.matmul_flops_per_s > 0 and rates.memory_bytes_per_s > 0
-  assert set(got.decode_by_length) == {s.cache_length for s in got.schedule.segments} == {64, 127}
+  assert rates.kernel_level and got.programs["decode"].launch_s > 0  # timed kernel by kernel
+  assert len(got.schedules) == 2
+  assert set(got.decode_by_length) == {s.cache_length for d in got.schedules for s in d.segments} == {64, 127}
   assert got.decode_by_length[127].bytes_accessed > got.decode_by_length[64].bytes_accessed
-  want = sum(s.steps * got.decode_by_length[s.cache_length].seconds for s in got.schedule.segments)
-  assert got.rollout.decode_s == pytest.approx(want) and got.programs["decode"] is got.decode_by_length[127]
+  per_draw = [sum(s.steps * got.decode_by_length[s.cache_length].seconds for s in d.segments) for d in got.schedules]
+  assert got.rollout.decode_s == pytest.approx(np.mean(per_draw))
+  assert got.programs["decode"] is got.decode_by_length[127]
+  assert got.decode_steps == np.mean([d.decode_steps for d in got.schedules])
+
+
+def test_packed_micro_batches_hold_the_prompts_own_tokens_not_their_padding():
+  """Rows of 32 + 96 = 128 tokens, 512 tokens (4 rows) a micro-batch: 16 responses of 60 tokens behind prompts of
+  32 fill a row each (92 tokens): 16 rows, 4 micro-batches; behind prompts of 4 tokens two share a row (64 + 64):
+  8 rows, 2 micro-batches."""
+  config = _config(16)
+  config.micro_batch_size, config.micro_batch_tokens = 0, 512
+  exp = aot._experiment(config, jax.devices("cpu")[:1], PROMPT, 96)  # pylint: disable=protected-access
+  assert exp.packing.length == 128 and exp.packing.rows == 4
+  responses = np.full(16, 60)
+  assert step_time._micro_batches(exp, responses, np.full(16, PROMPT), 16) == 4  # pylint: disable=protected-access
+  assert step_time._micro_batches(exp, responses, np.full(16, 4), 16) == 2  # pylint: disable=protected-access

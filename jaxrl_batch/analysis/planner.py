@@ -121,9 +121,14 @@ def _rates_line(result: dict) -> str:
   """Where R(B) comes from: the measured sweep's settings, or the prediction's topology and lengths."""
   sweep = result["sweep"]
   if "topology" in sweep:
+    rates = sweep.get("rates", {})
+    how = ("kernel by kernel at this machine's measured rates" if rates.get("launch_s") else
+           f"at {rates.get('name', 'the chip')}'s published peak rates")
     return (f"R(B) predicted for {sweep['topology']} ({sweep['num_slices']} slice(s)) from each member's compiled "
-            f"programs at the chip's peak rates, responses {sweep['lengths']} (prompts of {sweep['prompt_tokens']} "
-            f"tokens, up to {sweep['response_tokens']} new), reward scoring not counted.")
+            f"programs, {how}, mean steps over {sweep.get('min_samples', 0)} rollouts' lengths: responses "
+            f"{sweep['lengths']}, prompts of {sweep['prompt_tokens']} tokens"
+            + (f" ({sweep['prompt_lengths']} of them tokens)" if sweep.get("prompt_lengths") else "")
+            + f", up to {sweep['response_tokens']} new; reward scoring not counted.")
   return (f"R(B) from >= {sweep['steps'] - 1} timed steps and >= {sweep['min_samples']} samples per batch, after the "
           f"compiling step and {sweep['warmup']} warm-up steps"
           + (f"; {sweep['repeats']} rounds pooled." if sweep.get("repeats", 1) > 1 else "."))

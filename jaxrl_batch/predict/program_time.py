@@ -6,11 +6,18 @@ are read from the optimized HLO text (`compiled.as_text()`), each with the bytes
 (n chips per replica group): all-reduce 2 (n - 1) / n x its bytes, all-gather (n - 1) / n x the result's,
 reduce-scatter (n - 1) / n x the operand's, all-to-all (n - 1) / n x its bytes, collective-permute its bytes. A
 loop's body appears once in the text: its collectives are counted once and marked `in_loop` (no trip counts guessed).
+
+On this machine's CPU (`Rates.kernel_level`) a program is not timed by that roofline but kernel by kernel, as
+XLA:CPU runs it (one kernel after another): its matrix products (`kernels`) each at the rate measured at its own
+shape (`kernel_rates.dot_seconds`), the other kernels' bytes at the memory bandwidth (those that transpose at
+`kernel_rates.transpose_bytes_per_s`), and each kernel launched at `kernel_rates.launch_seconds`. At the sizes of
+the CPU's models a small product runs at a fraction of a large square one's rate, which the chip roofline cannot see.
 """
 import dataclasses
 import math
 import re
 
+from jaxrl_batch.predict import kernel_rates, kernels
 from jaxrl_batch.runtime.topologies import Chip
 from jaxrl_batch.train import aot
 
@@ -28,12 +35,19 @@ _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-
 @dataclasses.dataclass(frozen=True)
 class Rates:
   """What one chip does per second: matmul FLOPs, memory bytes, and interconnect bytes it sends (one direction),
-  named, with where the figures come from."""
+  named, with where the figures come from. `launch_s` > 0 (this machine's CPU): programs are timed kernel by kernel
+  (module docstring), each kernel launched at that cost."""
   name: str
   matmul_flops_per_s: float
   memory_bytes_per_s: float
   interconnect_bytes_per_s: float
   source: str
+  launch_s: float = 0.0
+  transpose_bytes_per_s: float = 0.0
+
+  @property
+  def kernel_level(self) -> bool:
+    return self.launch_s > 0
 
   @classmethod
   def from_chip(cls, chip: Chip) -> "Rates":
@@ -43,9 +57,11 @@ class Rates:
 
   @classmethod
   def measured(cls, machine: dict[str, float], name: str = "this machine") -> "Rates":
-    """Rates measured by `sampling.roofline.measure_machine` (one device: no interconnect)."""
+    """Rates measured by `sampling.roofline.measure_machine` (one device: no interconnect); kernel by kernel where
+    `machine` holds `launch_s` and `transpose_bytes_per_s` (`kernel_rates`)."""
     return cls(name, machine["matmul_flops_per_s"], machine["bandwidth_bytes_per_s"], 0.0,
-               "measured (sampling.roofline.measure_machine)")
+               "measured (sampling.roofline.measure_machine, predict.kernel_rates)", machine.get("launch_s", 0.0),
+               machine.get("transpose_bytes_per_s", machine["bandwidth_bytes_per_s"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +179,15 @@ class ProgramTime:
   collectives: tuple[Collective, ...]
   rates: Rates
   peak_bytes: int | None = None
+  launch_s: float = 0.0
 
   @property
   def seconds(self) -> float:
-    """max(compute, memory) + collectives: compute and memory overlap; collectives are taken as not overlapped."""
+    """max(compute, memory) + collectives: compute and memory overlap; collectives are taken as not overlapped.
+    Kernel by kernel (`rates.kernel_level`): compute (the products) + memory (the other kernels' bytes) + launches
+    + collectives, one after another."""
+    if self.rates.kernel_level:
+      return self.compute_s + self.memory_s + self.launch_s + self.collective_s
     return max(self.compute_s, self.memory_s) + self.collective_s
 
   @property
@@ -185,11 +206,18 @@ def program_time(compiled, rates: Rates) -> ProgramTime:
   sent = sum(c.sent_bytes for c in found)
   if sent and not rates.interconnect_bytes_per_s:
     raise ValueError(f"{rates.name} has no interconnect rate, but the program sends {sent:.0f} bytes.")
+  compute_s, memory_s = cost.flops / rates.matmul_flops_per_s, cost.bytes_accessed / rates.memory_bytes_per_s
+  launch_s = 0.0
+  if rates.kernel_level:
+    run = kernels.kernels(compiled.as_text())
+    compute_s = sum(kernel_rates.dot_seconds(*d.shape) * d.times for d in run.dots)
+    memory_s = run.streamed_bytes / rates.memory_bytes_per_s + run.transposed_bytes / rates.transpose_bytes_per_s
+    launch_s = run.launches * rates.launch_s
   return ProgramTime(
-      flops=cost.flops, bytes_accessed=cost.bytes_accessed, collective_bytes=sent,
-      compute_s=cost.flops / rates.matmul_flops_per_s, memory_s=cost.bytes_accessed / rates.memory_bytes_per_s,
-      collective_s=sent / rates.interconnect_bytes_per_s if sent else 0.0,
-      optimal_seconds=cost.optimal_seconds, collectives=found, rates=rates, peak_bytes=_peak_bytes(compiled))
+      flops=cost.flops, bytes_accessed=cost.bytes_accessed, collective_bytes=sent, compute_s=compute_s,
+      memory_s=memory_s, collective_s=sent / rates.interconnect_bytes_per_s if sent else 0.0,
+      optimal_seconds=cost.optimal_seconds, collectives=found, rates=rates, peak_bytes=_peak_bytes(compiled),
+      launch_s=launch_s)
 
 
 def _peak_bytes(compiled) -> int | None:

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_batch.model import KVCache, ModelConfig
-from jaxrl_batch.predict import engine_time, lengths
+from jaxrl_batch.predict import engine_time, kernel_rates, lengths
 from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, topologies
@@ -34,11 +34,12 @@ CPU = "cpu"  # The topology name of this machine's CPU devices.
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-  """A member's predicted step: its rollout's schedule and seconds, the other phases' seconds, and each compiled
-  program's roofline (`programs`: decode (at the longest cache bucket), prefill, score, reference, update; those the
-  step runs; `decode_by_length`: the decode step at each cache bucket the schedule reads)."""
+  """A member's predicted step, the mean over draws of its requests' lengths (one draw a step): the rollout's
+  schedule of each draw (`schedules`), its seconds and the other phases' seconds (means over the draws), and each
+  compiled program's roofline (`programs`: decode (at the longest cache bucket), prefill, score, reference, update;
+  those the step runs; `decode_by_length`: the decode step at each cache bucket the schedules read)."""
   batch: int
-  schedule: engine_time.Schedule
+  schedules: tuple[engine_time.Schedule, ...]
   rollout: engine_time.RolloutTime
   score_s: float
   reference_s: float
@@ -57,6 +58,11 @@ class StepTime:
     return self.batch / self.seconds
 
   @property
+  def decode_steps(self) -> float:
+    """Decode steps a rollout runs, the mean over the draws."""
+    return float(np.mean([s.decode_steps for s in self.schedules]))
+
+  @property
   def generation_per_s(self) -> float:
     """Rollouts generated per second of the rollout phase alone (the reference study's generation throughput)."""
     return self.batch / self.rollout.seconds
@@ -67,9 +73,9 @@ class StepTime:
     `launch.aot_check`'s to add)."""
     return dict(seconds=self.seconds, rollout_s=self.rollout.seconds, decode_s=self.rollout.decode_s,
                 prefill_s=self.rollout.prefill_s, score_s=self.score_s, reference_s=self.reference_s,
-                update_s=self.update_s, decode_steps=self.schedule.decode_steps,
+                update_s=self.update_s, decode_steps=self.decode_steps, draws=len(self.schedules),
                 decode_step_s=self.programs["decode"].seconds,
-                mean_response_tokens=self.schedule.decoded / self.batch + 1,
+                mean_response_tokens=float(np.mean([s.decoded for s in self.schedules])) / self.batch + 1,
                 peak_bytes={name: p.peak_bytes for name, p in self.programs.items()})
 
 
@@ -133,8 +139,9 @@ def target(topology: str, config: ml_collections.ConfigDict, num_slices: int = 1
   the chip's published rates, or CPU: this machine's CPU devices at the rates measured now in the compute dtype of
   `config`'s model."""
   if topology == CPU:
-    rates = Rates.measured(measure_machine(ModelConfig.from_config(config.model).compute_dtype, 512, 2048),
-                           "this machine's CPU")
+    machine = measure_machine(ModelConfig.from_config(config.model).compute_dtype, 512, 2048)
+    rates = Rates.measured(dict(machine, launch_s=kernel_rates.launch_seconds(),
+                                transpose_bytes_per_s=kernel_rates.transpose_bytes_per_s()), "this machine's CPU")
     # Its devices (several with --xla_force_host_platform_device_count) share one memory: a collective is a copy.
     return tuple(jax.devices("cpu")), dataclasses.replace(rates, interconnect_bytes_per_s=rates.memory_bytes_per_s)
   topo = topologies.compile_only(topology, num_slices)
@@ -152,16 +159,16 @@ def _at_length(inputs: dict, length: int) -> dict:
   return dict(inputs, state=inputs["state"]._replace(cache=resized))
 
 
-def _micro_batches(exp, lengths_B, rows: int) -> int:
+def _micro_batches(exp, lengths_B, prompts_B, rows: int) -> int:
   """Micro-batches a forward (and backward) over the batch runs in slices of `rows` rows: each slice's `num_micro`
-  (`rows` // its micro-batch size), or with packed micro-batches those its sequences fill (prompt_len + response
-  tokens each, placed by `rl.packing.first_fit_decreasing` into rows of the packing's length)."""
+  (`rows` // its micro-batch size), or with packed micro-batches those its sequences fill (prompt + response tokens
+  each, padding stripped, placed by `rl.packing.first_fit_decreasing` into rows of the packing's length)."""
   m, packing = exp.member, exp.packing
   if packing is None:
     return len(lengths_B) // rows * (m.num_micro if rows == m.mini_batch_size else m.score_num_micro)
   count = 0
   for first in range(0, len(lengths_B), rows):
-    tokens_B = exp.prompt_len + np.asarray(lengths_B[first:first + rows], np.int32)
+    tokens_B = np.asarray(prompts_B[first:first + rows] + lengths_B[first:first + rows], np.int32)
     bin_B, _ = packing_lib.first_fit_decreasing(jax.numpy.asarray(tokens_B), packing.length)
     count += -(-(int(bin_B.max()) + 1) // packing.rows)
   return count
@@ -169,11 +176,13 @@ def _micro_batches(exp, lengths_B, rows: int) -> int:
 
 def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prompt_len: int, response_len: int,
             num_slices: int = 1, rates: Rates | None = None, reward_s: float = 0.0,
-            timer: _Timer | None = None) -> StepTime:
+            timer: _Timer | None = None, prompt_lengths_B=None) -> StepTime:
   """The step of the member `config` describes on `topology` (`target`), its B requests' response lengths
-  `lengths_B` (tokens, EOS included; B of them), prompts of `prompt_len` tokens and the response budget
-  `response_len`; timed at `rates` (default: the target's), by `timer` where given (`sweep`'s: programs members
-  share are compiled once)."""
+  `lengths_B` (tokens, EOS included; B of them, or D x B: D draws, the step's mean over them), prompts padded to
+  `prompt_len` tokens and the response budget `response_len`; timed at `rates` (default: the target's), by `timer`
+  where given (`sweep`'s: programs members share are compiled once). `prompt_lengths_B` (the same shape): each
+  prompt's own tokens (default `prompt_len`), which packed micro-batches hold without padding; the engine prefills
+  every prompt at `prompt_len`."""
   if rates is None:
     devices, rates = target(topology, config, num_slices)
   else:
@@ -181,9 +190,15 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   timer = timer if timer is not None and timer.rates == rates else _Timer(rates)
   exp = aot._experiment(config, devices, prompt_len, response_len)  # pylint: disable=protected-access
   m, engine = exp.member, exp.engine
-  lengths_B = np.asarray(lengths_B)
-  if len(lengths_B) != m.batch_size:
-    raise ValueError(f"{len(lengths_B)} response lengths for a member of batch {m.batch_size}: give one a rollout.")
+  lengths_DxB = np.atleast_2d(lengths_B)
+  prompts_DxB = (np.full_like(lengths_DxB, exp.prompt_len) if prompt_lengths_B is None
+                 else np.atleast_2d(prompt_lengths_B))
+  if lengths_DxB.shape[1] != m.batch_size or prompts_DxB.shape != lengths_DxB.shape:
+    raise ValueError(f"Response lengths of shape {lengths_DxB.shape} and prompt lengths of shape {prompts_DxB.shape} "
+                     f"for a member of batch {m.batch_size}: give one a rollout (B, or D x B for D draws).")
+  if prompts_DxB.min() < 1 or prompts_DxB.max() > exp.prompt_len:
+    raise ValueError(f"Prompt lengths must be in [1, {exp.prompt_len}] (the prompts' padded length), got "
+                     f"{prompts_DxB.min()} .. {prompts_DxB.max()}.")
   dp = sharding.data_parallel_size(exp.mesh)
   block = engine.slots * dp or m.batch_size  # rows decoding at once on the slice
   # The member's step with its rollout on `block` slots: the decode step, the prefill and the learner's programs
@@ -196,9 +211,9 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   backend = decode_roofline.resolved_backend_for(exp.mesh, engine.attention_backend)
   shape = dict(max_new_tokens=exp.response_len, prompt_len=exp.prompt_len, group_size=m.group_size, backend=backend)
   if engine.engine == "continuous":
-    schedule = engine_time.continuous(lengths_B, slots=block, chunk=engine.chunk, **shape)
+    schedules = tuple(engine_time.continuous(d, slots=block, chunk=engine.chunk, **shape) for d in lengths_DxB)
   else:
-    schedule = engine_time.static(lengths_B, slots=block, **shape)
+    schedules = tuple(engine_time.static(d, slots=block, **shape) for d in lengths_DxB)
   by_length = {}
 
   def decode_seconds(rows: int, length: int) -> float:
@@ -211,38 +226,46 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   programs = dict(prefill=timer.time(_lowered("prefill", step), exp.mesh, "the prefill program", m.batch_size,
                                      knobs))
   prompts = inputs["prefix"].valid_QxP.shape[0]  # the compiled prefill's prompt rows
-  rollout = schedule.time(decode_seconds, lambda q: programs["prefill"].seconds * q / prompts)
-  decode_seconds(block, max(s.cache_length for s in schedule.segments) if schedule.segments else
-                 inputs["state"].cache.length)
+  timed = [s.time(decode_seconds, lambda q: programs["prefill"].seconds * q / prompts) for s in schedules]
+  rollout = engine_time.RolloutTime(*(float(np.mean(part)) for part in zip(*map(dataclasses.astuple, timed))))
+  decode_seconds(block, max((s.cache_length for d in schedules for s in d.segments),
+                            default=inputs["state"].cache.length))
   programs["decode"] = by_length[max(by_length)]
   for name in ("score", "reference", "update"):
     lowered = _lowered(name, step)
     if lowered is not None:
       programs[name] = timer.time(lowered, exp.mesh, f"the {name} program", m.batch_size, _LEARNER_KNOBS)
   seconds = lambda name, times: programs[name].seconds * times if name in programs else 0.0
-  scored = _micro_batches(exp, lengths_B, m.batch_size)
+  mean_micro = lambda rows: float(np.mean([_micro_batches(exp, r, p, rows) for r, p in zip(lengths_DxB, prompts_DxB)]))
+  scored = mean_micro(m.batch_size)
   epochs = m.updates_per_step * m.mini_batch_size / m.batch_size  # passes over the batch's mini-batches
-  trained = _micro_batches(exp, lengths_B, m.mini_batch_size) * epochs
-  return StepTime(m.batch_size, schedule, rollout, seconds("score", scored), seconds("reference", scored),
+  trained = mean_micro(m.mini_batch_size) * epochs
+  return StepTime(m.batch_size, schedules, rollout, seconds("score", scored), seconds("reference", scored),
                   seconds("update", trained), reward_s, programs, dict(sorted(by_length.items())))
 
 
 def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_len: int, response_len: int,
-          num_slices: int = 1) -> dict[int, StepTime | DoesNotFit]:
-  """Each batch's member (`member_config(batch)`: its ConfigDict) predicted on `topology`, its B response lengths
-  drawn from `lengths_spec` (`lengths.response_lengths`, the same seed for every member), all at the rates of the
-  first member's target (CPU rates are measured once). A member whose program the target cannot hold is its
-  DoesNotFit (the others are still predicted); ValueError where none fits."""
+          num_slices: int = 1, prompt_lengths_spec: str | None = None, samples: int = 0
+          ) -> dict[int, StepTime | DoesNotFit]:
+  """Each batch's member (`member_config(batch)`: its ConfigDict) predicted on `topology`, the mean step over
+  max(1, ceil(samples / B)) draws of its B response lengths from `lengths_spec` (`lengths.response_lengths`, the
+  same seed for every member) and, given `prompt_lengths_spec`, of its prompts' own lengths (clipped to
+  `prompt_len`; another seed), all at the rates of the first member's target (CPU rates are measured once). A
+  member whose program the target cannot hold is its DoesNotFit (the others are still predicted); ValueError where
+  none fits."""
   steps, rates, timer = {}, None, None
   for batch in batches:
     config = member_config(batch)
     if rates is None:
       rates = target(topology, config, num_slices)[1]
       timer = _Timer(rates)
-    drawn = lengths.response_lengths(lengths_spec, batch, response_len)
+    draws = max(1, -(-samples // batch))
+    drawn = lengths.response_lengths(lengths_spec, draws * batch, response_len).reshape(draws, batch)
+    prompts = None if prompt_lengths_spec is None else lengths.response_lengths(
+        prompt_lengths_spec, draws * batch, prompt_len, seed=1).reshape(draws, batch)
     try:
       steps[batch] = predict(config, topology, drawn, prompt_len=prompt_len, response_len=response_len,
-                             num_slices=num_slices, rates=rates, timer=timer)
+                             num_slices=num_slices, rates=rates, timer=timer, prompt_lengths_B=prompts)
     except DoesNotFit as e:
       steps[batch] = e
       logging.warning("%s", e)

@@ -90,7 +90,7 @@ def trained_rewards(algo, rewards_B: np.ndarray, lengths_B: np.ndarray, truncate
 def training_row(counters: dict, rollout: RolloutStats, timing: dict, update: dict, noise: dict,
                  updates_per_step: int) -> dict:
   """The row of a training step. counters: step, samples, samples_generated (cumulative), wall_s, cold; timing: update_s, lr,
-  kl_coef and, with generation ahead of the learner, overlap_frac; update: the step's fetched device metrics;
+  kl_coef, compile_s and, with generation ahead of the learner, overlap_frac; update: the step's fetched device metrics;
   noise: the noise-scale fields (`rl.noise_scale.NoiseScale.update`)."""
   rollout_fields = {k: v for k, v in dataclasses.asdict(rollout).items()
                     if v is not None and k not in ("trained_samples", "examples", "samples_generated")}

@@ -33,7 +33,7 @@ from jaxrl_batch.rl.forward import ModelDefs
 from jaxrl_batch.rl.kl_control import KLController
 from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
-from jaxrl_batch.runtime import disk_space, sharding, streams, transfer
+from jaxrl_batch.runtime import compile_clock, disk_space, sharding, streams, transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite, saved_steps
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
 from jaxrl_batch.train import branch, collectors, evaluation, rundir, samples_log, sft, step_row, writers
@@ -119,7 +119,7 @@ class Trainer:
 
   def _train_step(self, state: dict, step: int):
     """Collect, prepare, update. Returns (state, the step's `RolloutStats`, timing fields, device metrics)."""
-    learner, start = self.learner, time.time()
+    learner, start, compiled = self.learner, time.time(), compile_clock.seconds()
     rollouts, stats = self.collector.collect(self.graphdef, state["params"], step)
     self._flush()  # The previous step's metrics: computed by now, fetched one step late.
     t0 = time.time()
@@ -132,7 +132,8 @@ class Trainer:
       state, out = learner.train(state, batch, orders, step, kl_coef)
     state = jax.block_until_ready(state)
     actor_updates = max(step - self.algo.critic_warmup_steps, 0) * self.member.updates_per_step
-    timing = dict(update_s=time.time() - t0, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef)
+    timing = dict(update_s=time.time() - t0, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef,
+                  compile_s=compile_clock.seconds() - compiled)
     if isinstance(self.collector, AsyncCollector):
       # Generation (of a later step) and the update ran at once for this share of the step's wall time.
       step_s = time.time() - start
