@@ -1,5 +1,10 @@
 """The kernels a compiled XLA:CPU program launches, read from its text, and the kernel-level time of a program on
-this CPU, each against counts worked out by hand for small programs."""
+this CPU, each against counts worked out by hand for small programs; the decode check's launcher."""
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -9,6 +14,7 @@ from jaxrl_batch.predict import kernel_rates, kernels
 from jaxrl_batch.predict.program_time import Rates, program_time
 
 F32 = jnp.float32
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _text(fn, *shapes):
@@ -61,6 +67,14 @@ def test_a_transpose_is_counted_apart_from_streamed_bytes():
   assert transposed.dots == streamed.dots == ()
 
 
+def test_a_row_looked_up_in_a_table_reads_the_row_not_the_table():
+  table, rows = jax.ShapeDtypeStruct((4096, 64), F32), jax.ShapeDtypeStruct((2,), jnp.int32)
+  text = jax.jit(lambda t, i: jnp.take(t, i, axis=0) * 2.0).lower(table, rows).compile().as_text()
+  got = kernels.kernels(text)
+  assert 0 < got.streamed_bytes + got.transposed_bytes <= 8 * 2 * 64 * 4  # the 2 rows, read and written, and more
+  assert got.streamed_bytes + got.transposed_bytes < 4096 * 64 * 4 / 100  # not the table's 1 MiB
+
+
 def test_a_program_on_this_cpu_is_timed_kernel_by_kernel(monkeypatch):
   monkeypatch.setattr(kernel_rates, "dot_seconds", lambda b, m, k, n, dtype: 1e-3 * b * m * k * n / (32 * 16 * 8))
   compiled = jax.jit(lambda a, b, c: (a @ b).T + c).lower(
@@ -85,3 +99,22 @@ def test_this_cpus_kernel_rates_are_measured():
   small, large = kernel_rates.dot_seconds(1, 16, 128, 128, "f32"), kernel_rates.dot_seconds(1, 256, 256, 256, "f32")
   assert 0 < small < large  # 64x the flops take longer
   assert kernel_rates.transpose_bytes_per_s() > 0
+
+
+@pytest.mark.slow
+def test_the_decode_check_predicts_and_measures_each_concurrency(tmp_path):
+  """`launch.decode_roofline --topology=cpu`: the decode step of each concurrency compiled for this CPU, its
+  kernel-level prediction beside its measured time (both positive; their ratio is the check, not asserted)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-m", "launch.decode_roofline", "--config=configs/grpo_gsm8k_qwen.py:"
+                         "model=tiny_random", "--config.model.num_layers=1", "--topology=cpu", "--concurrency=1,4",
+                         "--prompt_tokens=8", "--response_tokens=8", "--repeats=2", f"--out={tmp_path}"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads((tmp_path / "decode_roofline.json").read_text())
+  assert got["topology"] == "cpu" and got["rates"]["launch_s"] > 0
+  assert [p["concurrency"] for p in got["points"]] == [1, 4]
+  for p in got["points"]:
+    assert p["predicted_s"] > 0 and p["measured_s"] > 0 and p["ratio"] == p["predicted_s"] / p["measured_s"]
+    assert p["predicted_s"] == pytest.approx(p["products_s"] + p["bytes_s"] + p["launches_s"])
+  assert "pred/meas" in proc.stdout

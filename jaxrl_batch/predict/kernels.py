@@ -157,12 +157,36 @@ def kernels(hlo_text: str, looped: bool | None = None) -> Kernels:
         dots += found
         continue
       operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-      moved = times * (_bytes(type_) + sum(_bytes(types.get(o, "")) for o in operands))
+      moved = times * (_bytes(type_) + _read(comps, types, type_, op, rest, operands))
       if any(o in ("transpose", "copy") for _, _, o, _ in inside):
         transposed += moved
       else:
         streamed += moved
   return Kernels(launches, tuple(dots), streamed, transposed)
+
+
+def _read(comps, types: dict, type_: str, op: str, rest: str, operands: list[str]) -> int:
+  """Bytes a kernel reads: each operand whole, but one it only slices (a dynamic-slice or gather of it: an
+  embedding row, a cache row) at the slices' bytes, and an in-place dynamic-update-slice only its update."""
+  if op in ("dynamic-slice", "gather"):
+    return _bytes(type_) + sum(_bytes(types.get(o, "")) for o in operands[1:])
+  if op == "dynamic-update-slice":
+    return sum(_bytes(types.get(o, "")) for o in operands[1:])
+  sliced = _sliced(comps, m.group(1)) if op == "fusion" and (m := _CALLS.search(rest)) else {}
+  return sum(min(sliced.get(i, math.inf), _bytes(types.get(o, ""))) for i, o in enumerate(operands))
+
+
+def _sliced(comps, fused: str) -> dict[int, int]:
+  """Of a fused computation's parameters, those read only as the sliced operand of dynamic-slice or gather:
+  parameter number -> the bytes of the slices read."""
+  _, lines = comps[fused]
+  number = {name: int(re.match(r"(\d+)", rest).group(1)) for name, _, op, rest in lines if op == "parameter"}
+  reads = collections.defaultdict(list)
+  for _, type_, op, rest in lines:
+    for position, operand in enumerate(re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])):
+      if operand in number:
+        reads[operand].append(_bytes(type_) if op in ("dynamic-slice", "gather") and position == 0 else None)
+  return {number[name]: sum(sizes) for name, sizes in reads.items() if None not in sizes}
 
 
 def _bytes(type_: str) -> int:

@@ -1,0 +1,90 @@
+"""The decode step on this CPU, predicted and measured: the check of the kernel-level time at the sizes of a model.
+
+Why: `launch.plan_batch --topology=cpu` holds whole steps of a 1M-parameter family against a measured sweep; the
+decode step of a larger model (the ~100M reference shape of `launch.bench_rollout`) is where a prediction of the
+rollout must hold at concurrency 1 ... 64. For each concurrency the continuous engine's decode step
+(`train.decode_roofline.step`, every slot live, the cache at the bucket of the prompt and the budget) is compiled for
+this CPU once, timed by `program_time` kernel by kernel at the rates measured here, and run on zeros (the weights,
+the cache and the slots: a decode step's cost does not depend on their values) for the measured time, the best of
+`repeats` runs (the first is not timed).
+"""
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from jaxrl_batch.predict import step_time
+from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
+from jaxrl_batch.train import decode_roofline
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One concurrency: the step's predicted seconds (`predicted`, its parts in `program`) and measured seconds."""
+  concurrency: int
+  cache_length: int
+  predicted_s: float
+  measured_s: float
+  program: ProgramTime
+
+  @property
+  def ratio(self) -> float:
+    """Predicted over measured (1 = exact; < 1: predicted too fast)."""
+    return self.predicted_s / self.measured_s
+
+
+def _zeros(tree):
+  """Arrays of zeros (a random key where a key is asked for) of `tree`'s ShapeDtypeStructs, on their shardings."""
+  def one(struct):
+    if not hasattr(struct, "shape"):
+      return struct
+    if jnp.issubdtype(struct.dtype, jax.dtypes.prng_key):
+      return jax.random.key(0)
+    return jax.device_put(jnp.zeros(struct.shape, struct.dtype), struct.sharding)
+  return jax.tree.map(one, tree)
+
+
+# `decode_roofline.step` without donating its slots: the same program, run again and again on the same inputs.
+_step = jax.jit(decode_roofline.step.__wrapped__, static_argnames=("graphdef", "p", "sampling", "backend"))
+
+
+def measure(config: ml_collections.ConfigDict, concurrencies, prompt_len: int, response_len: int,
+            repeats: int = 10) -> tuple[Rates, list[Point]]:
+  """(the rates measured here, one `Point` per concurrency) for the decode step of `config`'s model on this CPU."""
+  devices = tuple(jax.devices("cpu"))
+  rates = step_time.target(step_time.CPU, config)[1]
+  points = []
+  for concurrency in concurrencies:
+    step_, inputs = decode_roofline.engine_step(config, devices, prompt_len, response_len, concurrency)
+    if isinstance(inputs, str):
+      raise ValueError(f"The decode step of {concurrency} slots cannot be laid out: {inputs}")
+    predicted = program_time(decode_roofline.compile_step(step_, inputs), rates)
+    state, call = _zeros(inputs["state"]), inputs["call"]
+    run = functools.partial(_step, step_.models.graphdef, _zeros(step_.sampler_params), state,
+                            jnp.zeros(state.token_S.shape, jnp.int32), _zeros(inputs["key"]),
+                            p=inputs["prefix"].valid_QxP.shape[1], sampling=call.sampling,
+                            backend=call.engine.attention_backend)
+    with jax.set_mesh(step_.exp.mesh):
+      jax.block_until_ready(run())
+      seconds = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        seconds.append(time.perf_counter() - start)
+    points.append(Point(concurrency, state.cache.length, predicted.seconds, float(np.min(seconds)), predicted))
+  return rates, points
+
+
+def table(points: list[Point]) -> str:
+  """The points side by side: predicted ms (and its parts: products, other kernels' bytes, launches), measured ms."""
+  lines = [f"{'rows':>5} {'cache':>6} {'predicted ms':>13} {'products':>9} {'bytes':>8} {'launches':>9} "
+           f"{'measured ms':>12} {'pred/meas':>10}"]
+  for p in points:
+    ms = lambda s: f"{s * 1e3:.3f}"
+    lines.append(f"{p.concurrency:>5} {p.cache_length:>6} {ms(p.predicted_s):>13} {ms(p.program.compute_s):>9} "
+                 f"{ms(p.program.memory_s):>8} {ms(p.program.launch_s):>9} {ms(p.measured_s):>12} {p.ratio:>10.2f}")
+  return "\n".join(lines)
