@@ -51,7 +51,7 @@ def _on_this_cpu(concurrencies: list[int]) -> int:
   rates, points = decode_check.measure(FLAGS.config, concurrencies, FLAGS.prompt_tokens, FLAGS.response_tokens,
                                        FLAGS.repeats)
   records = [dict(concurrency=p.concurrency, cache_length=p.cache_length, predicted_s=p.predicted_s,
-                  measured_s=p.measured_s, ratio=p.ratio, products_s=p.program.compute_s,
+                  measured_s=p.measured_s, ratio=p.ratio, setup_s=p.program.setup_s, products_s=p.program.compute_s,
                   bytes_s=p.program.memory_s, launches_s=p.program.launch_s) for p in points]
   with open(os.path.join(FLAGS.out, "decode_roofline.json"), "w") as f:
     json.dump(dict(topology=step_time.CPU, rates=dataclasses.asdict(rates), points=records), f, indent=2)

@@ -28,12 +28,16 @@ def test_continuous_schedule_computed_by_hand():
   time = got.time(lambda rows, length: 1e-3 * rows * length, lambda prompts: 0.5 * prompts)
   assert time.decode_s == pytest.approx(1e-3 * (2 * 2 * 4 + 2 * 2 * 7 + 2 * 2 * 4)) and time.prefill_s == 1.0
   assert time.seconds == pytest.approx(1.060)
+  once = got.time(lambda rows, length: 1e-3 * rows * length, lambda prompts: 0.5 * prompts,
+                  segment_seconds=lambda rows, length: 1e-3 * length)  # a setup per chunk: 3 chunks
+  assert once.decode_s == pytest.approx(time.decode_s + 1e-3 * (4 + 7 + 4))
 
 
 def test_a_request_of_one_token_takes_a_slot_for_a_chunk_of_no_steps():
   got = engine_time.continuous([1, 1, 3], slots=2, chunk=4, max_new_tokens=N, prompt_len=P)
   assert [(s.steps, s.live, s.admitted) for s in got.segments] == [(0, 0, 2), (2, 1, 1)]
-
+  once = got.time(lambda rows, length: 0.0, lambda prompts: 0.0, segment_seconds=lambda rows, length: 1.0)
+  assert once.decode_s == 1.0  # the chunk of no steps runs no decode loop
 
 def test_a_carried_sequence_is_re_prefilled_first_and_its_tokens_widen_the_cache():
   # Request 0 holds 3 of its 5 tokens: it takes slot 0 first, re-prefilled with fed_bucket(3, 6) = 2 tokens a row;

@@ -82,15 +82,17 @@ def test_a_program_on_this_cpu_is_timed_kernel_by_kernel(monkeypatch):
       jax.ShapeDtypeStruct((8, 32), F32)).compile()
   run = kernels.kernels(compiled.as_text())
   rates = Rates.measured(dict(matmul_flops_per_s=1e9, bandwidth_bytes_per_s=1e8, launch_s=1e-6,
-                              transpose_bytes_per_s=1e7))
+                              transpose_bytes_per_s=1e7, fresh_bytes_per_s=1e6))
   got = program_time(compiled, rates)
   assert rates.kernel_level and run.launches >= 2
   assert [d.shape for d in run.dots] == [(1, 8, 16, 32, "f32")]  # XLA computes (a b)^T as b^T a^T
   assert got.compute_s == pytest.approx(1e-3)  # the one product, at the rate of its own shape
+  assert got.setup_s == compiled.memory_analysis().temp_size_in_bytes / 1e6  # temporaries faulted in
   assert got.memory_s == pytest.approx(run.streamed_bytes / 1e8 + run.transposed_bytes / 1e7)
   assert run.streamed_bytes == 3 * 4 * 8 * 32  # the sum reads the product and c and writes 8 x 32 floats
   assert got.launch_s == pytest.approx(run.launches * 1e-6)
   assert got.seconds == pytest.approx(got.compute_s + got.memory_s + got.launch_s)
+  assert got.running(2, 5) == pytest.approx(2 * got.setup_s + 5 * got.seconds)
 
 
 def test_this_cpus_kernel_rates_are_measured():
@@ -98,6 +100,7 @@ def test_this_cpus_kernel_rates_are_measured():
   assert 0 <= launch < 1e-3
   small, large = kernel_rates.dot_seconds(1, 16, 128, 128, "f32"), kernel_rates.dot_seconds(1, 256, 256, 256, "f32")
   assert 0 < small < large  # 64x the flops take longer
+  assert kernel_rates.fresh_bytes_per_s(16 << 20) > 0
   assert kernel_rates.transpose_bytes_per_s() > 0
 
 
@@ -116,5 +119,5 @@ def test_the_decode_check_predicts_and_measures_each_concurrency(tmp_path):
   assert [p["concurrency"] for p in got["points"]] == [1, 4]
   for p in got["points"]:
     assert p["predicted_s"] > 0 and p["measured_s"] > 0 and p["ratio"] == p["predicted_s"] / p["measured_s"]
-    assert p["predicted_s"] == pytest.approx(p["products_s"] + p["bytes_s"] + p["launches_s"])
+    assert p["predicted_s"] == pytest.approx(p["setup_s"] + p["products_s"] + p["bytes_s"] + p["launches_s"])
   assert "pred/meas" in proc.stdout

@@ -123,7 +123,9 @@ def test_on_this_cpu_each_cache_bucket_is_timed_by_its_own_compiled_step():
   assert len(got.schedules) == 2
   assert set(got.decode_by_length) == {s.cache_length for d in got.schedules for s in d.segments} == {64, 127}
   assert got.decode_by_length[127].bytes_accessed > got.decode_by_length[64].bytes_accessed
-  per_draw = [sum(s.steps * got.decode_by_length[s.cache_length].seconds for s in d.segments) for d in got.schedules]
+  by_length = got.decode_by_length  # each chunk: one execution of the decode loop, its products set up once
+  per_draw = [sum(by_length[s.cache_length].running(1, s.steps) for s in d.segments if s.steps) for d in got.schedules]
+  assert all(p.setup_s > 0 for p in by_length.values())
   assert got.rollout.decode_s == pytest.approx(np.mean(per_draw))
   assert got.programs["decode"] is got.decode_by_length[127]
   assert got.decode_steps == np.mean([d.decode_steps for d in got.schedules])

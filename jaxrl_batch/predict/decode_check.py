@@ -75,16 +75,18 @@ def measure(config: ml_collections.ConfigDict, concurrencies, prompt_len: int, r
         start = time.perf_counter()
         jax.block_until_ready(run())
         seconds.append(time.perf_counter() - start)
-    points.append(Point(concurrency, state.cache.length, predicted.seconds, float(np.min(seconds)), predicted))
+    points.append(Point(concurrency, state.cache.length, predicted.running(1, 1), float(np.min(seconds)), predicted))
   return rates, points
 
 
 def table(points: list[Point]) -> str:
-  """The points side by side: predicted ms (and its parts: products, other kernels' bytes, launches), measured ms."""
-  lines = [f"{'rows':>5} {'cache':>6} {'predicted ms':>13} {'products':>9} {'bytes':>8} {'launches':>9} "
+  """The points side by side: predicted ms (and its parts: temporaries faulted in, products, other kernels' bytes,
+  launches), measured ms."""
+  lines = [f"{'rows':>5} {'cache':>6} {'predicted ms':>13} {'temps':>8} {'products':>9} {'bytes':>8} {'launches':>9} "
            f"{'measured ms':>12} {'pred/meas':>10}"]
   for p in points:
     ms = lambda s: f"{s * 1e3:.3f}"
-    lines.append(f"{p.concurrency:>5} {p.cache_length:>6} {ms(p.predicted_s):>13} {ms(p.program.compute_s):>9} "
-                 f"{ms(p.program.memory_s):>8} {ms(p.program.launch_s):>9} {ms(p.measured_s):>12} {p.ratio:>10.2f}")
+    lines.append(f"{p.concurrency:>5} {p.cache_length:>6} {ms(p.predicted_s):>13} {ms(p.program.setup_s):>8} "
+                 f"{ms(p.program.compute_s):>9} {ms(p.program.memory_s):>8} {ms(p.program.launch_s):>9} "
+                 f"{ms(p.measured_s):>12} {p.ratio:>10.2f}")
   return "\n".join(lines)

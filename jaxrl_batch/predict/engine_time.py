@@ -70,13 +70,17 @@ class Schedule:
     return sum(s.rows * s.steps for s in self.segments)
 
   def time(self, decode_seconds: Callable[[int, int], float], prefill_seconds: Callable[[int], float],
-           reprefill_seconds: Callable[[int, int, int], float] | None = None) -> RolloutTime:
-    """Seconds at `decode_seconds(rows, cache_length)` per decode step, `prefill_seconds(prompts)` per prefill and
-    `reprefill_seconds(rows, fed, cache_length)` per chunk that re-prefills carried sequences (needed only then)."""
+           reprefill_seconds: Callable[[int, int, int], float] | None = None,
+           segment_seconds: Callable[[int, int], float] | None = None) -> RolloutTime:
+    """Seconds at `decode_seconds(rows, cache_length)` per decode step, `prefill_seconds(prompts)` per prefill,
+    `reprefill_seconds(rows, fed, cache_length)` per chunk that re-prefills carried sequences (needed only then) and
+    `segment_seconds(rows, cache_length)` once per segment besides its steps (a program's setup per execution)."""
     resumed = [s for s in self.segments if s.resumed]
     if resumed and reprefill_seconds is None:
       raise ValueError(f"{len(resumed)} chunks re-prefill carried sequences: give reprefill_seconds.")
-    return RolloutTime(sum(s.steps * decode_seconds(s.rows, s.cache_length) for s in self.segments),
+    once = segment_seconds or (lambda rows, length: 0.0)
+    return RolloutTime(sum(s.steps * decode_seconds(s.rows, s.cache_length) + once(s.rows, s.cache_length)
+                           for s in self.segments if s.steps),
                        sum(prefill_seconds(q) for q in self.prefills),
                        sum(reprefill_seconds(s.rows, s.fed, s.cache_length) for s in resumed))
 

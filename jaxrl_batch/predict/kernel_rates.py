@@ -10,9 +10,18 @@ not the kernel):
 - dot seconds at a shape: a loop of `reps` products of that shape, on operands taken in turn from a pool larger
   than the caches, each feeding the next one's operand through a scalar (so none is hoisted or merged), minus the
   same loop without the product.
+- fresh_bytes_per_s: the rate at which the cores, all at once, touch memory fresh from the system for the first time
+  (4 KiB pages faulted in). XLA:CPU allocates a program's temporaries anew for each execution and the system maps
+  them page by page as its kernels first write them: 2.5 GB/s on this machine's 2 cores, so a program of 189 MB of
+  temporaries pays ~75 ms an execution before any kernel's own cost.
 """
 import functools
+import mmap
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +93,26 @@ def transpose_bytes_per_s(dtype=jnp.float32, side: int = 512) -> float:
   loop = lambda reps: jax.jit(lambda x: lax.fori_loop(0, reps, lambda _, y: y.T * 1.0001, x))
   seconds = (_best(loop(17), x) - _best(loop(1), x)) / 16
   return 2.0 * x.nbytes / max(seconds, 1e-12)
+
+
+def fresh_bytes_per_s(size: int = 256 << 20, page: int = 4096) -> float:
+  """Bytes per second at which this machine's cores together fault in fresh memory (module docstring): `size` bytes
+  of a new anonymous mapping, one write per `page`, split over os.cpu_count() threads; the best of 3."""
+  threads = os.cpu_count() or 1
+  parts = np.array_split(np.arange(0, size, page), threads)
+
+  def touch(memory, pages):
+    memory[pages[0]:pages[-1] + 1:page] = 1
+
+  def once() -> float:
+    mapped = mmap.mmap(-1, size)
+    memory = np.frombuffer(mapped, np.uint8)
+    with ThreadPoolExecutor(threads) as pool:
+      start = time.perf_counter()
+      list(pool.map(functools.partial(touch, memory), parts))
+      seconds = time.perf_counter() - start
+    del memory  # the view goes before its mapping closes
+    mapped.close()
+    return seconds
+
+  return size / min(once() for _ in range(3))

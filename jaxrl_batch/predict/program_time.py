@@ -10,8 +10,10 @@ loop's body appears once in the text: its collectives are counted once and marke
 On this machine's CPU (`Rates.kernel_level`) a program is not timed by that roofline but kernel by kernel, as
 XLA:CPU runs it (one kernel after another): its matrix products (`kernels`) each at the rate measured at its own
 shape (`kernel_rates.dot_seconds`), the other kernels' bytes at the memory bandwidth (those that transpose at
-`kernel_rates.transpose_bytes_per_s`), and each kernel launched at `kernel_rates.launch_seconds`. At the sizes of
-the CPU's models a small product runs at a fraction of a large square one's rate, which the chip roofline cannot see.
+`kernel_rates.transpose_bytes_per_s`), and each kernel launched at `kernel_rates.launch_seconds`; besides, once an
+execution (not once a trip of a loop), its temporaries faulted in fresh (`setup_s`: `memory_analysis`'s temporary
+bytes at `kernel_rates.fresh_bytes_per_s`). At the sizes of the CPU's models a small product runs at a fraction of a
+large square one's rate, which the chip roofline cannot see.
 """
 import dataclasses
 import math
@@ -36,7 +38,8 @@ _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-
 class Rates:
   """What one chip does per second: matmul FLOPs, memory bytes, and interconnect bytes it sends (one direction),
   named, with where the figures come from. `launch_s` > 0 (this machine's CPU): programs are timed kernel by kernel
-  (module docstring), each kernel launched at that cost."""
+  (module docstring), each kernel launched at that cost, transposes at `transpose_bytes_per_s`, temporaries faulted
+  in at `fresh_bytes_per_s` (0: not counted)."""
   name: str
   matmul_flops_per_s: float
   memory_bytes_per_s: float
@@ -44,6 +47,7 @@ class Rates:
   source: str
   launch_s: float = 0.0
   transpose_bytes_per_s: float = 0.0
+  fresh_bytes_per_s: float = 0.0
 
   @property
   def kernel_level(self) -> bool:
@@ -58,10 +62,11 @@ class Rates:
   @classmethod
   def measured(cls, machine: dict[str, float], name: str = "this machine") -> "Rates":
     """Rates measured by `sampling.roofline.measure_machine` (one device: no interconnect); kernel by kernel where
-    `machine` holds `launch_s` and `transpose_bytes_per_s` (`kernel_rates`)."""
+    `machine` holds `launch_s`, `transpose_bytes_per_s` and `fresh_bytes_per_s` (`kernel_rates`)."""
     return cls(name, machine["matmul_flops_per_s"], machine["bandwidth_bytes_per_s"], 0.0,
                "measured (sampling.roofline.measure_machine, predict.kernel_rates)", machine.get("launch_s", 0.0),
-               machine.get("transpose_bytes_per_s", machine["bandwidth_bytes_per_s"]))
+               machine.get("transpose_bytes_per_s", machine["bandwidth_bytes_per_s"]),
+               machine.get("fresh_bytes_per_s", 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,15 +185,21 @@ class ProgramTime:
   rates: Rates
   peak_bytes: int | None = None
   launch_s: float = 0.0
+  setup_s: float = 0.0
 
   @property
   def seconds(self) -> float:
     """max(compute, memory) + collectives: compute and memory overlap; collectives are taken as not overlapped.
     Kernel by kernel (`rates.kernel_level`): compute (the products) + memory (the other kernels' bytes) + launches
-    + collectives, one after another."""
+    + collectives, one after another; the products' setup (`setup_s`) apart."""
     if self.rates.kernel_level:
       return self.compute_s + self.memory_s + self.launch_s + self.collective_s
     return max(self.compute_s, self.memory_s) + self.collective_s
+
+  def running(self, executions: float, trips: float) -> float:
+    """Seconds of `executions` runs of the program doing `trips` runs of its body in all (a loop's trips, a chunk's
+    decode steps): the setup (`setup_s`: its temporaries faulted in) once an execution, `seconds` once a trip."""
+    return executions * self.setup_s + trips * self.seconds
 
   @property
   def collectives_in_loops(self) -> int:
@@ -207,17 +218,20 @@ def program_time(compiled, rates: Rates) -> ProgramTime:
   if sent and not rates.interconnect_bytes_per_s:
     raise ValueError(f"{rates.name} has no interconnect rate, but the program sends {sent:.0f} bytes.")
   compute_s, memory_s = cost.flops / rates.matmul_flops_per_s, cost.bytes_accessed / rates.memory_bytes_per_s
-  launch_s = 0.0
+  launch_s = setup_s = 0.0
   if rates.kernel_level:
     run = kernels.kernels(compiled.as_text())
     compute_s = sum(kernel_rates.dot_seconds(*d.shape) * d.times for d in run.dots)
+    stats = compiled.memory_analysis()
+    if rates.fresh_bytes_per_s and stats is not None:
+      setup_s = stats.temp_size_in_bytes / rates.fresh_bytes_per_s
     memory_s = run.streamed_bytes / rates.memory_bytes_per_s + run.transposed_bytes / rates.transpose_bytes_per_s
     launch_s = run.launches * rates.launch_s
   return ProgramTime(
       flops=cost.flops, bytes_accessed=cost.bytes_accessed, collective_bytes=sent, compute_s=compute_s,
       memory_s=memory_s, collective_s=sent / rates.interconnect_bytes_per_s if sent else 0.0,
       optimal_seconds=cost.optimal_seconds, collectives=found, rates=rates, peak_bytes=_peak_bytes(compiled),
-      launch_s=launch_s)
+      launch_s=launch_s, setup_s=setup_s)
 
 
 def _peak_bytes(compiled) -> int | None:

@@ -141,7 +141,8 @@ def target(topology: str, config: ml_collections.ConfigDict, num_slices: int = 1
   if topology == CPU:
     machine = measure_machine(ModelConfig.from_config(config.model).compute_dtype, 512, 2048)
     rates = Rates.measured(dict(machine, launch_s=kernel_rates.launch_seconds(),
-                                transpose_bytes_per_s=kernel_rates.transpose_bytes_per_s()), "this machine's CPU")
+                                transpose_bytes_per_s=kernel_rates.transpose_bytes_per_s(),
+                                fresh_bytes_per_s=kernel_rates.fresh_bytes_per_s()), "this machine's CPU")
     # Its devices (several with --xla_force_host_platform_device_count) share one memory: a collective is a copy.
     return tuple(jax.devices("cpu")), dataclasses.replace(rates, interconnect_bytes_per_s=rates.memory_bytes_per_s)
   topo = topologies.compile_only(topology, num_slices)
@@ -216,32 +217,35 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
     schedules = tuple(engine_time.static(d, slots=block, **shape) for d in lengths_DxB)
   by_length = {}
 
-  def decode_seconds(rows: int, length: int) -> float:
+  def decode_step(length: int) -> ProgramTime:
     if length not in by_length:
       by_length[length] = timer.time(decode_roofline.lower_step(step, _at_length(inputs, length)), exp.mesh,
                                      f"the decode step of {block // dp} slots per chip at a cache of {length}",
                                      m.batch_size, knobs)
-    return by_length[length].seconds
+    return by_length[length]
 
   programs = dict(prefill=timer.time(_lowered("prefill", step), exp.mesh, "the prefill program", m.batch_size,
                                      knobs))
   prompts = inputs["prefix"].valid_QxP.shape[0]  # the compiled prefill's prompt rows
-  timed = [s.time(decode_seconds, lambda q: programs["prefill"].seconds * q / prompts) for s in schedules]
+  # A segment (a chunk, or a static block's stretch at one bucket) is one execution of the decode loop: its setup
+  # (temporaries faulted in) once, its steps each.
+  timed = [s.time(lambda rows, length: decode_step(length).seconds,
+                  lambda q: programs["prefill"].running(1, q / prompts),
+                  segment_seconds=lambda rows, length: decode_step(length).setup_s) for s in schedules]
   rollout = engine_time.RolloutTime(*(float(np.mean(part)) for part in zip(*map(dataclasses.astuple, timed))))
-  decode_seconds(block, max((s.cache_length for d in schedules for s in d.segments),
-                            default=inputs["state"].cache.length))
+  decode_step(max((s.cache_length for d in schedules for s in d.segments), default=inputs["state"].cache.length))
   programs["decode"] = by_length[max(by_length)]
   for name in ("score", "reference", "update"):
     lowered = _lowered(name, step)
     if lowered is not None:
       programs[name] = timer.time(lowered, exp.mesh, f"the {name} program", m.batch_size, _LEARNER_KNOBS)
-  seconds = lambda name, times: programs[name].seconds * times if name in programs else 0.0
+  seconds = lambda name, calls, times: programs[name].running(calls, times) if name in programs else 0.0
   mean_micro = lambda rows: float(np.mean([_micro_batches(exp, r, p, rows) for r, p in zip(lengths_DxB, prompts_DxB)]))
   scored = mean_micro(m.batch_size)
   epochs = m.updates_per_step * m.mini_batch_size / m.batch_size  # passes over the batch's mini-batches
   trained = mean_micro(m.mini_batch_size) * epochs
-  return StepTime(m.batch_size, schedules, rollout, seconds("score", scored), seconds("reference", scored),
-                  seconds("update", trained), reward_s, programs, dict(sorted(by_length.items())))
+  return StepTime(m.batch_size, schedules, rollout, seconds("score", 1, scored), seconds("reference", 1, scored),
+                  seconds("update", m.updates_per_step, trained), reward_s, programs, dict(sorted(by_length.items())))
 
 
 def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_len: int, response_len: int,
