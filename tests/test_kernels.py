@@ -87,12 +87,23 @@ def test_a_program_on_this_cpu_is_timed_kernel_by_kernel(monkeypatch):
   assert rates.kernel_level and run.launches >= 2
   assert [d.shape for d in run.dots] == [(1, 8, 16, 32, "f32")]  # XLA computes (a b)^T as b^T a^T
   assert got.compute_s == pytest.approx(1e-3)  # the one product, at the rate of its own shape
-  assert got.setup_s == compiled.memory_analysis().temp_size_in_bytes / 1e6  # temporaries faulted in
   assert got.memory_s == pytest.approx(run.streamed_bytes / 1e8 + run.transposed_bytes / 1e7)
   assert run.streamed_bytes == 3 * 4 * 8 * 32  # the sum reads the product and c and writes 8 x 32 floats
   assert got.launch_s == pytest.approx(run.launches * 1e-6)
   assert got.seconds == pytest.approx(got.compute_s + got.memory_s + got.launch_s)
-  assert got.running(2, 5) == pytest.approx(2 * got.setup_s + 5 * got.seconds)
+
+
+def test_a_programs_temporaries_are_faulted_in_once_an_execution():
+  compiled = jax.jit(lambda a, b: jnp.tanh(a @ b) @ b.T).lower(
+      jax.ShapeDtypeStruct((256, 128), F32), jax.ShapeDtypeStruct((128, 512), F32)).compile()
+  temps = compiled.memory_analysis().temp_size_in_bytes
+  assert temps >= 256 * 512 * 4  # tanh(a b) lives between the two products
+  rates = Rates.measured(dict(matmul_flops_per_s=1e9, bandwidth_bytes_per_s=1e8, launch_s=1e-6,
+                              transpose_bytes_per_s=1e7, fresh_bytes_per_s=1e6))
+  got = program_time(compiled, rates)
+  assert got.setup_s == temps / 1e6
+  assert got.running(2, 5) == pytest.approx(2 * got.setup_s + 5 * got.seconds)  # once an execution, not a trip
+  assert program_time(compiled, Rates.measured(dict(matmul_flops_per_s=1e9, bandwidth_bytes_per_s=1e8))).setup_s == 0
 
 
 def test_this_cpus_kernel_rates_are_measured():
