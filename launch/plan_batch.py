@@ -72,8 +72,9 @@ flags.DEFINE_string("lengths", "lognormal:512:1.0", f"With --topology: the respo
                     f"({lengths.FORMS}), in tokens, clipped to --response_tokens.")
 flags.DEFINE_integer("prompt_tokens", 256, "With --topology: prompt length in tokens (prompts padded to it).",
                      lower_bound=1)
-flags.DEFINE_string("prompt_lengths", None, f"With --topology: the prompts' own lengths ({lengths.FORMS}), clipped "
-                    "to --prompt_tokens, which packed micro-batches hold without padding (default: --prompt_tokens).")
+flags.DEFINE_string("prompt_lengths", None, f"With --topology: the prompts' own lengths ({lengths.DRAWN_FORMS}), "
+                    "clipped to --prompt_tokens, which packed micro-batches hold without padding (default: "
+                    "--prompt_tokens).")
 flags.DEFINE_integer("response_tokens", 1024, "With --topology: the response budget in tokens.", lower_bound=1)
 list_flags.integers("batches", 1, "rollouts per step", "32,64,128")
 list_flags.integers("learn_batches", 1, "rollouts per step of analysed members", "64,256")
@@ -97,6 +98,22 @@ def _check_samples_source(values: dict) -> bool:
 
 
 flags.register_multi_flags_validator(["samples_model", "noise_run", "target"], _check_samples_source)
+
+
+def _lengths_validator(draw):
+  """A flag validator that draws one length from the spec: a bad one is refused before anything is compiled."""
+  def check(spec: str | None) -> bool:
+    if spec is not None:
+      try:
+        draw(spec, 1, 1)
+      except ValueError as e:
+        raise flags.ValidationError(str(e)) from e
+    return True
+  return check
+
+
+flags.register_validator("lengths", _lengths_validator(lengths.response_lengths))
+flags.register_validator("prompt_lengths", _lengths_validator(lengths.prompt_lengths))
 
 
 def main(argv):

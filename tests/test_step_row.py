@@ -23,18 +23,20 @@ def _stats(**optional) -> RolloutStats:
   return RolloutStats.of(rewards_E=np.array([1.0, 0.0, 1.0, 1.0]), lengths_E=np.array([3, 5, 4, 8]),
                          truncated_E=np.array([False, False, False, True]), engine=engine, zero_std_frac=0.5,
                          rollout_s=1.5, reward_s=0.25, samples_generated=4, sampling_rounds=2, reward_errors=1,
-                         reward_timeouts=0, trained_samples=3, examples=[dict(completion="7")], **optional)
+                         reward_timeouts=0, trained_samples=3, examples=[dict(completion="7")],
+                         response_lens=[3, 5, 4, 8], **optional)
 
 
 def test_rollout_statistics_match_a_hand_computation():
   s = _stats()
   assert (s.reward_mean, s.reward_std, s.response_len_mean, s.truncated_frac) == (0.75, pytest.approx(0.4330127),
                                                                                  5.0, 0.25)
-  assert (s.useful_token_frac, s.rollout_chunks, s.preempted) == (35 / 50, 3, 1)
+  assert (s.useful_token_frac, s.rollout_chunks, s.preempted, s.response_len_max) == (35 / 50, 3, 1, 8)
   empty = RolloutStats.of(rewards_E=[], lengths_E=[], truncated_E=[], engine=[], zero_std_frac=0.0, rollout_s=0.0,
                           reward_s=0.0, samples_generated=0, sampling_rounds=1, reward_errors=0, reward_timeouts=0,
-                          trained_samples=0, examples=[])
-  assert (empty.reward_mean, empty.reward_std, empty.truncated_frac, empty.useful_token_frac) == (0, 0, 0, 0)
+                          trained_samples=0, examples=[], response_lens=[])
+  assert (empty.reward_mean, empty.reward_std, empty.truncated_frac, empty.useful_token_frac,
+          empty.response_len_max) == (0, 0, 0, 0, 0)
 
 
 def test_a_training_row_joins_counters_rollouts_timing_update_and_noise():

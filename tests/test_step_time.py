@@ -110,6 +110,43 @@ def test_response_lengths_follow_the_stated_distribution_within_the_budget():
       lengths.response_lengths(bad, 4, 64)
 
 
+def _run_dir(path, group_size: int, steps: list) -> str:
+  """A run directory as far as its lengths go: config.json's group size, a training row per step of lengths, and an
+  evaluation row (no lengths)."""
+  (path / "config.json").write_text(json.dumps(dict(config={}, derived=dict(group_size=group_size))))
+  rows = [dict(step=i + 1, reward_mean=0.5, response_lens=lens) for i, lens in enumerate(steps)]
+  rows.insert(1, dict(step=1, eval_accuracy=0.5))
+  (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_a_runs_lengths_are_replayed_a_whole_group_at_a_time(tmp_path):
+  """run:DIR draws the run's prompt groups whole (with replacement, each as often), clipped to the budget."""
+  groups = [(10, 11, 12, 13), (50, 50, 70, 49), (5, 5, 5, 5)]
+  run = _run_dir(tmp_path, 4, [groups[0] + groups[1], groups[2]])
+  drawn = lengths.response_lengths(f"run:{run}", 4_000, 60, seed=2)
+  clipped = {tuple(min(n, 60) for n in g) for g in groups}
+  drawn_groups = [tuple(g) for g in drawn.reshape(-1, 4).tolist()]
+  assert set(drawn_groups) == clipped
+  assert all(drawn_groups.count(g) == pytest.approx(1000 / 3, rel=0.12) for g in clipped)
+  assert (lengths.response_lengths(f"run:{run}", 6, 60, seed=2) == drawn[:6]).all()  # seeded, the last group cut
+  with pytest.raises(ValueError, match="no run there"):
+    lengths.response_lengths(f"run:{tmp_path / 'absent'}", 4, 60)
+  (tmp_path / "old").mkdir()
+  with pytest.raises(ValueError, match="hold no `response_lens`"):
+    lengths.response_lengths(f"run:{_run_dir(tmp_path / 'old', 4, [[]])}", 4, 60)
+  with pytest.raises(ValueError, match="not its prompts'"):
+    lengths.prompt_lengths(f"run:{run}", 4, 60)
+
+
+def test_plan_batch_refuses_bad_lengths_before_it_writes(tmp_path):
+  workdir = tmp_path / "plan"
+  cmd = [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_reasoning.py", f"--workdir={workdir}",
+         "--topology=cpu", f"--lengths=run:{tmp_path / 'absent'}"]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode != 0 and "no run there" in done.stderr and not workdir.exists()
+
+
 @pytest.mark.slow
 def test_on_this_cpu_each_cache_bucket_is_timed_by_its_own_compiled_step():
   """The "cpu" target: this machine's devices at measured rates; the xla backend's buckets (64 and 127 slots for

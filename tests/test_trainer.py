@@ -17,7 +17,8 @@ from jaxrl_batch.train.trainer import Trainer
 from tests.helpers import ONE_DEVICE, debug_config, launch_train, straight_and_resumed
 
 TRAIN_FIELDS = {"step", "samples", "samples_generated", "wall_s", "rollout_s", "update_s", "lr", "reward_mean",
-                "response_len_mean", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm",
+                "response_len_mean", "response_len_max", "response_lens", "kl", "clip_frac", "clip_frac_low",
+                "clip_frac_high", "entropy", "grad_norm",
                 "noise_scale", "zero_std_group_frac", "logp_gap_mean", "returns_mean", "kl_coef", "compile_s"}
 PPO_FIELDS = TRAIN_FIELDS | {"value_loss", "vf_explained_var", "critic_grad_norm"}
 EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy", "eval_reward_errors"}
@@ -57,6 +58,9 @@ def test_run_writes_the_metrics_contract(debug_run):
   assert [r["samples"] for r in train] == [32 * s for s in range(1, 7)]
   assert all(TRAIN_FIELDS <= set(r) for r in train)
   assert all(0.0 <= r["compile_s"] < r["wall_s"] for r in train)
+  for r in train:  # the step's lengths, in batch order, agree with its summary fields
+    assert len(r["response_lens"]) == 32 and max(r["response_lens"]) == r["response_len_max"]
+    assert np.mean(r["response_lens"]) == pytest.approx(r["response_len_mean"])
   assert [r["samples"] for r in evals] == [0, 64, 128, 192]  # eval_every_samples=64, plus the base at 0
   assert all(set(r) == EVAL_FIELDS and 0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
   walls = [r["wall_s"] for r in rows]

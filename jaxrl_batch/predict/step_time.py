@@ -265,8 +265,8 @@ def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_le
       timer = _Timer(rates)
     draws = max(1, -(-samples // batch))
     drawn = lengths.response_lengths(lengths_spec, draws * batch, response_len).reshape(draws, batch)
-    prompts = None if prompt_lengths_spec is None else lengths.response_lengths(
-        prompt_lengths_spec, draws * batch, prompt_len, seed=1).reshape(draws, batch)
+    prompts = None if prompt_lengths_spec is None else lengths.prompt_lengths(
+        prompt_lengths_spec, draws * batch, prompt_len).reshape(draws, batch)
     try:
       steps[batch] = predict(config, topology, drawn, prompt_len=prompt_len, response_len=response_len,
                              num_slices=num_slices, rates=rates, timer=timer, prompt_lengths_B=prompts)

@@ -199,6 +199,7 @@ class Collector:
         engine=[out["engine"] for out in rounds], zero_std_frac=group_zero_std_frac(every["task_rewards_B"], g),
         rollout_s=sum(out["rollout_s"] for out in rounds), reward_s=sum(out["reward_s"] for out in rounds),
         samples_generated=len(every["task_rewards_B"]), sampling_rounds=len(rounds),
+        response_lens=every["lengths_B"].tolist(),
         reward_errors=int(sum(out["errors"] for out in rounds)),
         reward_timeouts=int(sum(out["timeouts"] for out in rounds)), trained_samples=int(trained_B.sum()),
         examples=examples)

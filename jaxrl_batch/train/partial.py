@@ -273,6 +273,7 @@ class PartialCollector(Collector):
         truncated_E=[not s["eos"] for s in ended], engine=calls,
         zero_std_frac=group_zero_std_frac(rewards_B, m.group_size),
         rollout_s=t1 - t0, reward_s=reward_s, samples_generated=len(ended), sampling_rounds=1,
+        response_lens=lengths_B.tolist(),
         reward_errors=int(errors), reward_timeouts=int(timeouts), trained_samples=int(trained_B.sum()),
         examples=examples, reprefill_s=sum(c.reprefill_s for c in calls),
         policy_lag_mean=float(lag_BxN.sum() / mask_BxN.sum()), policy_lag_max=int(lag_BxN.max()),

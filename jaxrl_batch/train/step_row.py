@@ -20,7 +20,9 @@ UPDATE_KEYS = ("returns_mean", "vf_explained_var", "loss", "policy_loss", "entro
 @dataclasses.dataclass
 class RolloutStats:
   """Host figures of a step's rollouts. Reward, length and truncation statistics are over every rollout generated
-  for the step (all dynamic-sampling rounds; with partial rollouts, those that ended this step); engine figures
+  for the step (all dynamic-sampling rounds; with partial rollouts, those that ended this step); `response_lens` lists
+  the lengths of the step's batches in batch order, a prompt's group side by side (every dynamic-sampling round's
+  batch in turn; with partial rollouts, the trained batch), which `predict.lengths` replays; engine figures
   (`sampling.EngineStats`) summed over its engine calls; times in seconds. `trained_samples` (rollouts whose tokens
   enter the loss) and `examples` (the logged samples) feed the run's counters and samples.jsonl, not the row. The
   optional fields exist only in some modes: partial rollouts (`reprefill_s` .. `carried_over`) and generation ahead
@@ -41,6 +43,8 @@ class RolloutStats:
   preempted: int
   trained_samples: int
   examples: list
+  response_len_max: int = 0  # defaults: a checkpoint's rollouts in flight saved before these were logged
+  response_lens: list = dataclasses.field(default_factory=list)
   reprefill_s: float | None = None
   policy_lag_mean: float | None = None
   policy_lag_max: int | None = None
@@ -58,7 +62,8 @@ class RolloutStats:
     gives the rest (times, counts, the optional fields)."""
     mean = lambda x: float(np.mean(x)) if len(x) else 0.0
     return cls(reward_mean=mean(rewards_E), reward_std=float(np.std(rewards_E)) if len(rewards_E) else 0.0,
-               response_len_mean=mean(lengths_E), truncated_frac=mean(np.asarray(truncated_E, float)),
+               response_len_mean=mean(lengths_E), response_len_max=int(max(lengths_E, default=0)),
+               truncated_frac=mean(np.asarray(truncated_E, float)),
                zero_std_group_frac=zero_std_frac,
                useful_token_frac=sum(e.decoded for e in engine) / max(sum(e.slot_steps for e in engine), 1),
                rollout_chunks=sum(e.chunks for e in engine), preempted=sum(e.preempted for e in engine), **fields)
