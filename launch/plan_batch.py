@@ -48,7 +48,8 @@ flags.DEFINE_integer("steps", 4, "Training steps per swept batch besides the war
                      "timed).")
 flags.DEFINE_integer("warmup", 5, "Untimed steps after the compiling one (XLA:CPU still compiles rarer shapes).")
 flags.DEFINE_integer("min_samples", 1024, "Timed samples per swept batch at least: small batches run more steps. "
-                     "With --topology: each member's step is the mean over this many rollouts' drawn lengths.")
+                     "With --topology: each member's step is the mean over this many rollouts' drawn lengths (32 "
+                     "draws of B at least).")
 flags.DEFINE_integer("repeats", 1, "Rounds of the sweep (each batch once per round, pooled): more rounds average "
                      "out the drift of a shared machine.")
 flags.DEFINE_list("learn_batches", [], "Batches whose members the S(B) fit uses (default: every member that reached "
