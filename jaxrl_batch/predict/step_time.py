@@ -193,25 +193,42 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
     devices = tuple(jax.devices("cpu")) if topology == CPU else topologies.compile_only(topology, num_slices).devices
   timer = timer if timer is not None and timer.rates == rates else _Timer(rates)
   exp = aot._experiment(config, devices, prompt_len, response_len)  # pylint: disable=protected-access
-  m, engine = exp.member, exp.engine
-  lengths_DxB = np.atleast_2d(lengths_B)
-  prompts_DxB = (np.full_like(lengths_DxB, exp.prompt_len) if prompt_lengths_B is None
-                 else np.atleast_2d(prompt_lengths_B))
-  if lengths_DxB.shape[1] != m.batch_size or prompts_DxB.shape != lengths_DxB.shape:
-    raise ValueError(f"Response lengths of shape {lengths_DxB.shape} and prompt lengths of shape {prompts_DxB.shape} "
-                     f"for a member of batch {m.batch_size}: give one a rollout (B, or D x B for D draws).")
-  if prompts_DxB.min() < 1 or prompts_DxB.max() > exp.prompt_len:
-    raise ValueError(f"Prompt lengths must be in [1, {exp.prompt_len}] (the prompts' padded length), got "
-                     f"{prompts_DxB.min()} .. {prompts_DxB.max()}.")
+  m = exp.member
+  lengths_DxB, prompts_DxB = _draws(exp, lengths_B, prompt_lengths_B)
   dp = sharding.data_parallel_size(exp.mesh)
-  block = engine.slots * dp or m.batch_size  # rows decoding at once on the slice
+  block = exp.engine.slots * dp or m.batch_size  # rows decoding at once on the slice
   # The member's step with its rollout on `block` slots: the decode step, the prefill and the learner's programs
   # (which the engine's settings leave unchanged) compile against it.
   step, inputs = decode_roofline.engine_step(config, devices, exp.prompt_len, exp.response_len, block // dp)
-  knobs = _DECODE_KNOBS.format(slots=block // dp)
+  schedules, rollout, programs, by_length = _rollout(exp, step, inputs, timer, lengths_DxB, block)
+  score_s, reference_s, update_s = _learner(exp, step, timer, lengths_DxB, prompts_DxB, programs)
+  return StepTime(m.batch_size, schedules, rollout, score_s, reference_s, update_s, reward_s, programs, by_length)
+
+
+def _draws(exp, lengths_B, prompt_lengths_B) -> tuple[np.ndarray, np.ndarray]:
+  """(D x B response lengths, D x B prompt lengths) of `predict`'s arguments, checked against the member."""
+  lengths_DxB = np.atleast_2d(lengths_B)
+  prompts_DxB = (np.full_like(lengths_DxB, exp.prompt_len) if prompt_lengths_B is None
+                 else np.atleast_2d(prompt_lengths_B))
+  if lengths_DxB.shape[1] != exp.member.batch_size or prompts_DxB.shape != lengths_DxB.shape:
+    raise ValueError(f"Response lengths of shape {lengths_DxB.shape} and prompt lengths of shape {prompts_DxB.shape} "
+                     f"for a member of batch {exp.member.batch_size}: give one a rollout (B, or D x B for D draws).")
+  if prompts_DxB.min() < 1 or prompts_DxB.max() > exp.prompt_len:
+    raise ValueError(f"Prompt lengths must be in [1, {exp.prompt_len}] (the prompts' padded length), got "
+                     f"{prompts_DxB.min()} .. {prompts_DxB.max()}.")
+  return lengths_DxB, prompts_DxB
+
+
+def _rollout(exp, step, inputs, timer: _Timer, lengths_DxB: np.ndarray, block: int):
+  """The rollout of each draw through the engine's schedule on `block` slots, its decode steps timed at their cache
+  lengths and its prefills: (schedules, the mean RolloutTime, the programs timed: prefill and decode at the longest
+  cache, the decode step's time by cache length)."""
+  m, engine = exp.member, exp.engine
+  slots = block // sharding.data_parallel_size(exp.mesh)
+  knobs = _DECODE_KNOBS.format(slots=slots)
   if isinstance(inputs, str):
-    raise (_refusal(inputs, f"the decode step of {block // dp} slots per chip (its cache)", m.batch_size, knobs)
-           or ValueError(f"The decode step of {block // dp} slots per shard cannot be laid out: {inputs}"))
+    raise (_refusal(inputs, f"the decode step of {slots} slots per chip (its cache)", m.batch_size, knobs)
+           or ValueError(f"The decode step of {slots} slots per shard cannot be laid out: {inputs}"))
   backend = decode_roofline.resolved_backend_for(exp.mesh, engine.attention_backend)
   shape = dict(max_new_tokens=exp.response_len, prompt_len=exp.prompt_len, group_size=m.group_size, backend=backend)
   if engine.engine == "continuous":
@@ -223,7 +240,7 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   def decode_step(length: int) -> ProgramTime:
     if length not in by_length:
       by_length[length] = timer.time(decode_roofline.lower_step(step, _at_length(inputs, length)), exp.mesh,
-                                     f"the decode step of {block // dp} slots per chip at a cache of {length}",
+                                     f"the decode step of {slots} slots per chip at a cache of {length}",
                                      m.batch_size, knobs)
     return by_length[length]
 
@@ -238,6 +255,14 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   rollout = engine_time.RolloutTime(*(float(np.mean(part)) for part in zip(*map(dataclasses.astuple, timed))))
   decode_step(max((s.cache_length for d in schedules for s in d.segments), default=inputs["state"].cache.length))
   programs["decode"] = by_length[max(by_length)]
+  return schedules, rollout, programs, dict(sorted(by_length.items()))
+
+
+def _learner(exp, step, timer: _Timer, lengths_DxB: np.ndarray, prompts_DxB: np.ndarray, programs: dict
+             ) -> tuple[float, float, float]:
+  """(score_s, reference_s, update_s) of a step: each program timed (added to `programs`) and run once per
+  micro-batch the draws' sequences fill on average, the update once per update of the step."""
+  m = exp.member
   for name in ("score", "reference", "update"):
     lowered = _lowered(name, step)
     if lowered is not None:
@@ -247,8 +272,7 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   scored = mean_micro(m.batch_size)
   epochs = m.updates_per_step * m.mini_batch_size / m.batch_size  # passes over the batch's mini-batches
   trained = mean_micro(m.mini_batch_size) * epochs
-  return StepTime(m.batch_size, schedules, rollout, seconds("score", 1, scored), seconds("reference", 1, scored),
-                  seconds("update", m.updates_per_step, trained), reward_s, programs, dict(sorted(by_length.items())))
+  return seconds("score", 1, scored), seconds("reference", 1, scored), seconds("update", m.updates_per_step, trained)
 
 
 def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_len: int, response_len: int,
