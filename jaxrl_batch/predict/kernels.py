@@ -14,18 +14,17 @@ import dataclasses
 import math
 import re
 
+from jaxrl_batch.predict import hlo_text as hlo
+
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .* \{$")
 _PARAM = re.compile(r"([\w.\-]+): ((?:\w+\[[^\]]*\])|\w+\[\]|\([^)]*\))")
-_LINE = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _NO_KERNEL = frozenset(("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
                         "opt-barrier", "partition-id", "replica-id"))
 _STEPPED = re.compile(r"\b(body|condition|true_computation|false_computation|to_apply)=%?([\w.\-]+)")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
-_ARRAY = re.compile(r"\b([a-z]+\d*[a-z\d]*)\[([^\]]*)\]")
 _CONTROL = frozenset(("while", "call", "conditional", "async-start", "async-done", "async-update"))
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +49,8 @@ class Dot:
   @property
   def bytes(self) -> float:
     """Its operands and result, one run."""
-    return float(_size(self.dtype) * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
+    return float(sum(hlo.elements_bytes(self.dtype, self.batch * size)
+                     for size in (self.m * self.k, self.k * self.n, self.m * self.n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _computations(hlo_text: str) -> dict[str, tuple[dict[str, str], list[tuple[s
     if (header := _HEADER.match(line)):
       current = header.group(1)
       out[current] = ({name: type_ for name, type_ in _PARAM.findall(header.group(2))}, [])
-    elif current is not None and (m := _LINE.match(line)):
+    elif current is not None and (m := hlo.INSTRUCTION.match(line)):
       types, lines = out[current]
       name, type_, op, rest = m.groups()
       types[name] = type_
@@ -156,8 +156,7 @@ def kernels(hlo_text: str, looped: bool | None = None) -> Kernels:
       if found or op in _CONTROL:
         dots += found
         continue
-      operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-      moved = times * (_bytes(type_) + _read(comps, types, type_, op, rest, operands))
+      moved = times * (sum(hlo.array_bytes(type_)) + _read(comps, types, type_, op, rest))
       if any(o in ("transpose", "copy") for _, _, o, _ in inside):
         transposed += moved
       else:
@@ -165,38 +164,13 @@ def kernels(hlo_text: str, looped: bool | None = None) -> Kernels:
   return Kernels(launches, tuple(dots), streamed, transposed)
 
 
-def _read(comps, types: dict, type_: str, op: str, rest: str, operands: list[str]) -> int:
+def _read(comps, types: dict, type_: str, op: str, rest: str) -> int:
   """Bytes a kernel reads: each operand whole, but one it only slices (a dynamic-slice or gather of it: an
   embedding row, a cache row) at the slices' bytes, and an in-place dynamic-update-slice only its update."""
+  held = [sum(hlo.array_bytes(types.get(o, ""))) for o in hlo.operands(rest)]
   if op in ("dynamic-slice", "gather"):
-    return _bytes(type_) + sum(_bytes(types.get(o, "")) for o in operands[1:])
+    return sum(hlo.array_bytes(type_)) + sum(held[1:])
   if op == "dynamic-update-slice":
-    return sum(_bytes(types.get(o, "")) for o in operands[1:])
-  sliced = _sliced(comps, m.group(1)) if op == "fusion" and (m := _CALLS.search(rest)) else {}
-  return sum(min(sliced.get(i, math.inf), _bytes(types.get(o, ""))) for i, o in enumerate(operands))
-
-
-def _sliced(comps, fused: str) -> dict[int, int]:
-  """Of a fused computation's parameters, those read only as the sliced operand of dynamic-slice or gather:
-  parameter number -> the bytes of the slices read."""
-  _, lines = comps[fused]
-  number = {name: int(re.match(r"(\d+)", rest).group(1)) for name, _, op, rest in lines if op == "parameter"}
-  reads = collections.defaultdict(list)
-  for _, type_, op, rest in lines:
-    for position, operand in enumerate(re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])):
-      if operand in number:
-        reads[operand].append(_bytes(type_) if op in ("dynamic-slice", "gather") and position == 0 else None)
-  return {number[name]: sum(sizes) for name, sizes in reads.items() if None not in sizes}
-
-
-def _bytes(type_: str) -> int:
-  """Bytes of the arrays of an HLO type (a tuple's summed; a dynamic dimension at its bound)."""
-  total = 0
-  for dtype, dims in _ARRAY.findall(type_):
-    total += math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) * _size(dtype)
-  return total
-
-
-def _size(dtype: str) -> int:
-  """Bytes of one element of an HLO dtype (pred, s8, bf16, f32, ...; sub-byte types as one byte)."""
-  return 1 if dtype == "pred" else max(int(re.search(r"\d+", dtype).group()) // 8, 1)
+    return sum(held[1:])
+  sliced = hlo.sliced_reads(comps[m.group(1)][1]) if op == "fusion" and (m := _CALLS.search(rest)) else {}
+  return sum(min(sliced.get(i, math.inf), size) for i, size in enumerate(held))

@@ -19,15 +19,10 @@ import dataclasses
 import math
 import re
 
-from jaxrl_batch.predict import kernel_rates, kernels
+from jaxrl_batch.predict import hlo_text as hlo, kernel_rates, kernels
 from jaxrl_batch.runtime.topologies import Chip
 from jaxrl_batch.train import aot
 
-_BITS = dict(pred=8, s2=2, u2=2, s4=4, u4=4, s8=8, u8=8, f8e4m3fn=8, f8e5m2=8, f8e4m3b11fnuz=8, f8e4m3fnuz=8,
-             f8e5m2fnuz=8, bf16=16, f16=16, s16=16, u16=16, f32=32, s32=32, u32=32, f64=64, s64=64, u64=64, c64=64,
-             c128=128)
-_ARRAY = re.compile(r"\b(" + "|".join(_BITS) + r")\[([^\]]*)\]")
-_INSTRUCTION = re.compile(r"\s+(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\(")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=(%?[\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _WHILE = re.compile(r"\bcondition=(%?[\w.\-]+), body=(%?[\w.\-]+)")
@@ -80,12 +75,6 @@ class Collective:
   group_size: int
   sent_bytes: float
   in_loop: bool
-
-
-def _array_bytes(type_text: str) -> list[int]:
-  """Bytes of each array of an HLO type (a tuple's in order; a dynamic dimension `<=n` at its bound n)."""
-  return [math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d) * _BITS[dtype] // 8
-          for dtype, dims in _ARRAY.findall(type_text)]
 
 
 def _all_devices(hlo_text: str) -> int:
@@ -148,15 +137,15 @@ def collectives(hlo_text: str) -> list[Collective]:
   loops, current, out = _loop_computations(hlo_text), None, []
   for line in hlo_text.splitlines():
     current = _computation(line) or current
-    m = _INSTRUCTION.match(line)
-    if not m or m.group(2).removesuffix("-start") not in _OPS:
+    m = hlo.INSTRUCTION.match(line)
+    if not m or m.group(3).removesuffix("-start") not in _OPS:
       continue
-    op, start = m.group(2).removesuffix("-start"), m.group(2).endswith("-start")
+    op, start = m.group(3).removesuffix("-start"), m.group(3).endswith("-start")
     if start and op != "all-reduce":  # (operands, results[, u32[] contexts]): the results
-      sizes = _array_bytes(re.sub(r"\bu32\[\]", "", m.group(1)))
+      sizes = hlo.array_bytes(re.sub(r"\bu32\[\]", "", m.group(2)))
       size = sum(sizes[len(sizes) // 2:])
     else:
-      size = sum(_array_bytes(m.group(1)))
+      size = sum(hlo.array_bytes(m.group(2)))
     if op == "collective-permute":
       out.append(Collective(op, size, 2, float(size), current in loops))
       continue

@@ -23,7 +23,6 @@ longest, so the compiler's `bytes accessed` and `optimal_seconds` are one step's
 """
 import dataclasses
 import functools
-import math
 import re
 
 import jax
@@ -32,6 +31,7 @@ import ml_collections
 from flax import nnx
 
 from jaxrl_batch.model import ModelConfig
+from jaxrl_batch.predict import hlo_text as hlo
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling.engine_settings import resolved_backend
 from jaxrl_batch.sampling.roofline import expected_distinct_experts
@@ -165,77 +165,48 @@ def resolved_backend_for(mesh, backend: str) -> str:
     return resolved_backend(backend)
 
 
-_ITEMSIZE = dict(pred=1, s8=1, u8=1, bf16=2, f16=2, s16=2, u16=2, f32=4, s32=4, u32=4, f64=8, s64=8, u64=8)
-_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\](\{[^}]*\})?")
-_INSTRUCTION = re.compile(r"\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([\w\-]+)\((.*)")
 _NO_TRAFFIC = ("tuple", "bitcast", "parameter", "constant", "get-tuple-element", "partition-id", "after-all",
                "copy-done")
 
 
 def _hbm_arrays(text: str) -> list[int]:
   """Bytes of each array type in `text` that lives in HBM (its layout names no memory space S(n))."""
-  found = []
-  for dtype, dims, layout in _ARRAY.findall(text):
-    if not re.search(r"S\(\d+\)", layout or ""):
-      found.append(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[dtype])
-  return found
-
-
-def _sliced_reads(lines: list[str]) -> dict[int, int]:
-  """Of a fused computation's parameters, those read only in part, by `dynamic-slice` or `gather` of them (the
-  per-row cache write's loop body, the embedding lookup): parameter number -> the bytes of the slices read."""
-  number, users = {}, {}
-  for line in lines:
-    found = _INSTRUCTION.match(line)
-    if not found:
-      continue
-    var, result, op, rest = found.groups()
-    if op == "parameter":
-      number[var] = int(re.match(r"\s*(\d+)", rest).group(1))
-      continue
-    for position, operand in enumerate(re.findall(r"%[\w.\-]+", rest.split(")", 1)[0])):
-      if operand in number:
-        sliced = op in ("dynamic-slice", "gather") and position == 0
-        array = _ARRAY.search(result)
-        users.setdefault(operand, []).append(
-            math.prod(int(d) for d in array.group(2).split(",") if d) * _ITEMSIZE[array.group(1)] if sliced else None)
-  return {number[p]: sum(read) for p, read in users.items() if None not in read}
+  return [sum(hlo.array_bytes(array.group())) for array in hlo.ARRAY.finditer(text)
+          if not re.search(r"S\(\d+\)", array.group(3) or "")]
 
 
 def hbm_bytes(hlo_text: str) -> float:
   """Bytes an optimized HLO module's instructions read and write in HBM: per instruction of the entry computation
   (and, once, of the bodies and branches it calls), its operands and result outside on-chip memory, each counted
-  whole but an operand a fusion only slices (`_sliced_reads`: the slices); a copy into on-chip memory (copy-start)
+  whole but an operand a fusion only slices (`hlo.sliced_reads`: the slices); a copy into on-chip memory (copy-start)
   counts its source, an in-place dynamic-update-slice its update. An estimate that over-counts a fusion reading
   part of an operand otherwise."""
   blocks = {}
   for block in re.split(r"\n(?=%|ENTRY )", hlo_text):
     head, _, body = block.partition("\n")
-    blocks["ENTRY" if head.startswith("ENTRY") else head.split(" ")[0]] = body.split("\n")
-  sliced_by = {}  # fused computation -> `_sliced_reads`
+    blocks["ENTRY" if head.startswith("ENTRY") else head.split(" ")[0].lstrip("%")] = [
+        m.groups() for line in body.split("\n") if (m := hlo.INSTRUCTION.match(line))]
+  sliced_by = {}  # fused computation -> `hlo.sliced_reads`
 
   def total(name: str) -> float:
     sizes, count = {}, 0.0
-    for line in blocks.get(name, ()):
-      found = _INSTRUCTION.match(line)
-      if not found:
-        continue
-      var, result, op, rest = found.groups()
+    for var, result, op, rest in blocks.get(name, ()):
       sizes[var] = _hbm_arrays(result)
       if op in _NO_TRAFFIC:
         continue
       if op in ("while", "conditional", "call"):
-        called = re.findall(r"(?:body|to_apply)=(%[\w.\-]+)", line)
-        called += [c.strip() for group in re.findall(r"branch_computations=\{([^}]*)\}", line) for c in group.split(",")]
+        called = re.findall(r"(?:body|to_apply)=%?([\w.\-]+)", rest)
+        called += [c.strip().lstrip("%") for group in re.findall(r"branch_computations=\{([^}]*)\}", rest)
+                   for c in group.split(",")]
         count += sum(total(c) for c in called)
         continue
-      operands = re.findall(r"%[\w.\-]+", rest.split(")", 1)[0])
+      operands = hlo.operands(rest)
       if op == "dynamic-update-slice":
         count += 2 * sum(sizes.get(operands[1], ()))
         continue
-      fused = re.search(r"calls=(%[\w.\-]+)", line) if op == "fusion" else None
+      fused = re.search(r"calls=%?([\w.\-]+)", rest) if op == "fusion" else None
       if fused and fused.group(1) not in sliced_by:
-        sliced_by[fused.group(1)] = _sliced_reads(blocks.get(fused.group(1), ()))
+        sliced_by[fused.group(1)] = hlo.sliced_reads(blocks.get(fused.group(1), []))
       sliced = sliced_by[fused.group(1)] if fused else {}
       for i, operand in enumerate(operands):
         held = sum(sizes.get(operand, ()))
