@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from jaxrl_batch.predict import step_time
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow  # each test runs a notebook
@@ -77,7 +78,8 @@ def test_batch_on_paper_notebook_runs_reduced(tmp_path, monkeypatch, base_cache,
   steps, plan = namespace["steps"]["v5e:2x2"], namespace["plans"]["v5e:2x2"]
   assert list(steps) == namespace["BATCHES"] == [16, 64]
   # 4 and 16 rollouts a chip: the first on 4 slots, the second on the cap, 8 slots refilled as rows end.
-  (small,), (large,) = steps[16].schedules, steps[64].schedules  # one draw of lengths a member
+  assert len(steps[16].schedules) == len(steps[64].schedules) == step_time.MIN_DRAWS  # draws of lengths a member
+  small, large = steps[16].schedules[0], steps[64].schedules[0]
   assert {s.rows for s in small.segments} == {16} and {s.rows for s in large.segments} == {32}
   assert sum(s.admitted for s in large.segments) > 32 and not namespace["refused"]["v5e:2x2"]
   generation = [steps[b].generation_per_s for b in steps]

@@ -1,5 +1,5 @@
-"""`predict.hlo_text` against hand counts on small literal HLO snippets."""
-from jaxrl_batch.predict import hlo_text
+"""`runtime.hlo_text` against hand counts on small literal HLO snippets."""
+from jaxrl_batch.runtime import hlo_text
 
 _FUSED = """
   %p0 = f32[1024,4]{1,0} parameter(0)

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import re
 
-from jaxrl_batch.predict import hlo_text as hlo
+from jaxrl_batch.runtime import hlo_text as hlo
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .* \{$")
 _PARAM = re.compile(r"([\w.\-]+): ((?:\w+\[[^\]]*\])|\w+\[\]|\([^)]*\))")

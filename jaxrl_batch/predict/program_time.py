@@ -19,7 +19,8 @@ import dataclasses
 import math
 import re
 
-from jaxrl_batch.predict import hlo_text as hlo, kernel_rates, kernels
+from jaxrl_batch.predict import kernel_rates, kernels
+from jaxrl_batch.runtime import hlo_text as hlo
 from jaxrl_batch.runtime.topologies import Chip
 from jaxrl_batch.train import aot
 

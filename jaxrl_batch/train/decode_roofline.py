@@ -31,7 +31,7 @@ import ml_collections
 from flax import nnx
 
 from jaxrl_batch.model import ModelConfig
-from jaxrl_batch.predict import hlo_text as hlo
+from jaxrl_batch.runtime import hlo_text as hlo
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling.engine_settings import resolved_backend
 from jaxrl_batch.sampling.roofline import expected_distinct_experts
