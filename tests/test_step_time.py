@@ -130,6 +130,9 @@ def test_a_runs_lengths_are_replayed_a_whole_group_at_a_time(tmp_path):
   assert set(drawn_groups) == clipped
   assert all(drawn_groups.count(g) == pytest.approx(1000 / 3, rel=0.12) for g in clipped)
   assert (lengths.response_lengths(f"run:{run}", 6, 60, seed=2) == drawn[:6]).all()  # seeded, the last group cut
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 3, "response_le')  # a row torn by a crash of a run still training: skipped, as runs skip it
+  assert (lengths.response_lengths(f"run:{run}", 6, 60, seed=2) == drawn[:6]).all()
   with pytest.raises(ValueError, match="no run there"):
     lengths.response_lengths(f"run:{tmp_path / 'absent'}", 4, 60)
   (tmp_path / "old").mkdir()

@@ -7,10 +7,11 @@ group's samples share a problem, so their lengths move together and a step's lon
 B / G problems, not of B independent draws. Draws come from a seeded generator, so every member of a sweep sees the
 same distribution and a rerun the same lengths.
 """
-import json
 import os
 
 import numpy as np
+
+from jaxrl_batch.train import rundir
 
 DRAWN_FORMS = "lognormal:MEDIAN:SIGMA, uniform:LOW:HIGH or fixed:N"
 FORMS = "lognormal:MEDIAN:SIGMA, uniform:LOW:HIGH, fixed:N or run:DIR"
@@ -55,15 +56,12 @@ def _drawn(spec: str, batch: int, rng: np.random.Generator) -> np.ndarray:
 def run_groups(run_dir: str) -> np.ndarray:
   """[N, G] lengths of every prompt group a run generated: each training row's `response_lens` cut into its groups of
   G (the run's `group_size`, config.json)."""
-  metrics, config = (os.path.join(run_dir, name) for name in ("metrics.jsonl", "config.json"))
-  if not (os.path.isfile(metrics) and os.path.isfile(config)):
+  config = rundir.read_config(run_dir)
+  if config is None or not os.path.isfile(rundir.metrics_path(run_dir)):
     raise ValueError(f"Response lengths run:{run_dir}: no run there (it needs metrics.jsonl and config.json); give "
                      f"the directory of a run that trained, or a distribution ({FORMS}).")
-  with open(config) as f:
-    group = json.load(f)["derived"]["group_size"]
-  with open(metrics) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  steps = [r["response_lens"] for r in rows if r.get("response_lens")]
+  group = config["derived"]["group_size"]
+  steps = [r["response_lens"] for r in rundir.read_metrics(run_dir) if r.get("response_lens")]
   if not steps:
     raise ValueError(f"Response lengths run:{run_dir}: its metrics rows hold no `response_lens` (a run from before "
                      f"they were logged, or one that has not trained a step); train it on, or give a distribution "

@@ -181,7 +181,7 @@ class ProgramTime:
   def seconds(self) -> float:
     """max(compute, memory) + collectives: compute and memory overlap; collectives are taken as not overlapped.
     Kernel by kernel (`rates.kernel_level`): compute (the products) + memory (the other kernels' bytes) + launches
-    + collectives, one after another; the products' setup (`setup_s`) apart."""
+    + collectives, one after another; the temporaries' setup (`setup_s`, once an execution) apart (`running`)."""
     if self.rates.kernel_level:
       return self.compute_s + self.memory_s + self.launch_s + self.collective_s
     return max(self.compute_s, self.memory_s) + self.collective_s
