@@ -9,15 +9,11 @@ the cache and the slots: a decode step's cost does not depend on their values) f
 `repeats` runs (the first is not timed).
 """
 import dataclasses
-import functools
-import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
-from jaxrl_batch.predict import step_time
+from jaxrl_batch.predict import spread, step_time
 from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.train import decode_roofline
 
@@ -37,21 +33,6 @@ class Point:
     return self.predicted_s / self.measured_s
 
 
-def _zeros(tree):
-  """Arrays of zeros (a random key where a key is asked for) of `tree`'s ShapeDtypeStructs, on their shardings."""
-  def one(struct):
-    if not hasattr(struct, "shape"):
-      return struct
-    if jnp.issubdtype(struct.dtype, jax.dtypes.prng_key):
-      return jax.random.key(0)
-    return jax.device_put(jnp.zeros(struct.shape, struct.dtype), struct.sharding)
-  return jax.tree.map(one, tree)
-
-
-# `decode_roofline.step` without donating its slots: the same program, run again and again on the same inputs.
-_step = jax.jit(decode_roofline.step.__wrapped__, static_argnames=("graphdef", "p", "sampling", "backend"))
-
-
 def measure(config: ml_collections.ConfigDict, concurrencies, prompt_len: int, response_len: int,
             repeats: int = 10) -> tuple[Rates, list[Point]]:
   """(the rates measured here, one `Point` per concurrency) for the decode step of `config`'s model on this CPU."""
@@ -63,19 +44,9 @@ def measure(config: ml_collections.ConfigDict, concurrencies, prompt_len: int, r
     if isinstance(inputs, str):
       raise ValueError(f"The decode step of {concurrency} slots cannot be laid out: {inputs}")
     predicted = program_time(decode_roofline.compile_step(step_, inputs), rates)
-    state, call = _zeros(inputs["state"]), inputs["call"]
-    run = functools.partial(_step, step_.models.graphdef, _zeros(step_.sampler_params), state,
-                            jnp.zeros(state.token_S.shape, jnp.int32), _zeros(inputs["key"]),
-                            p=inputs["prefix"].valid_QxP.shape[1], sampling=call.sampling,
-                            backend=call.engine.attention_backend)
-    with jax.set_mesh(step_.exp.mesh):
-      jax.block_until_ready(run())
-      seconds = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        seconds.append(time.perf_counter() - start)
-    points.append(Point(concurrency, state.cache.length, predicted.running(1, 1), float(np.min(seconds)), predicted))
+    seconds = spread.executions(spread.on_zeros(step_, inputs), repeats, step_.exp.mesh)
+    points.append(Point(concurrency, inputs["state"].cache.length, predicted.running(1, 1), float(seconds.min()),
+                        predicted))
   return rates, points
 
 

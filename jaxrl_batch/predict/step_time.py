@@ -11,7 +11,9 @@ once per bucket; a paged cache at its whole pool), each prefill as the compiled 
 proportion to its prompts. The static engine's blocks are timed by the same step at the block's rows. The compiler
 counts a loop's body once, so the update (a loop over micro-batches) counts its micro-batches times its program (the
 optimizer's step is overcounted with it) and the scoring forwards theirs: num_micro per mini-batch, or with packed
-micro-batches (`rl.packing`) those holding tokens, the sequences placed as the packing places them.
+micro-batches (`rl.packing`) those holding tokens, the sequences placed as the packing places them. On this CPU
+the rollout's programs are taken above their predicted best by the spread of the member's decode step measured here
+(`spread`: a run's short decode programs do not run at their best on this machine).
 """
 import dataclasses
 import hashlib
@@ -22,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_batch.model import KVCache, ModelConfig
-from jaxrl_batch.predict import engine_time, kernel_rates, lengths
+from jaxrl_batch.predict import engine_time, kernel_rates, lengths, spread
 from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, topologies
@@ -40,7 +42,8 @@ class StepTime:
   """A member's predicted step, the mean over draws of its requests' lengths (one draw a step): the rollout's
   schedule of each draw (`schedules`), its seconds and the other phases' seconds (means over the draws), and each
   compiled program's roofline (`programs`: decode (at the longest cache bucket), prefill, score, reference, update;
-  those the step runs; `decode_by_length`: the decode step at each cache bucket the schedules read)."""
+  those the step runs; `decode_by_length`: the decode step at each cache bucket the schedules read), and the factor
+  the rollout's seconds were taken above those programs' best (`rollout_spread`: `spread`, this CPU; 1 elsewhere)."""
   batch: int
   schedules: tuple[engine_time.Schedule, ...]
   rollout: engine_time.RolloutTime
@@ -50,6 +53,7 @@ class StepTime:
   reward_s: float
   programs: dict[str, ProgramTime]
   decode_by_length: dict[int, ProgramTime]
+  rollout_spread: float = 1.0
 
   @property
   def seconds(self) -> float:
@@ -77,7 +81,7 @@ class StepTime:
     return dict(seconds=self.seconds, rollout_s=self.rollout.seconds, decode_s=self.rollout.decode_s,
                 prefill_s=self.rollout.prefill_s, score_s=self.score_s, reference_s=self.reference_s,
                 update_s=self.update_s, decode_steps=self.decode_steps, draws=len(self.schedules),
-                decode_step_s=self.programs["decode"].seconds,
+                decode_step_s=self.programs["decode"].seconds, rollout_spread=self.rollout_spread,
                 mean_response_tokens=float(np.mean([s.decoded for s in self.schedules])) / self.batch + 1,
                 peak_bytes={name: p.peak_bytes for name, p in self.programs.items()})
 
@@ -200,9 +204,10 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   # The member's step with its rollout on `block` slots: the decode step, the prefill and the learner's programs
   # (which the engine's settings leave unchanged) compile against it.
   step, inputs = decode_roofline.engine_step(config, devices, exp.prompt_len, exp.response_len, block // dp)
-  schedules, rollout, programs, by_length = _rollout(exp, step, inputs, timer, lengths_DxB, block)
+  schedules, rollout, programs, by_length, rollout_spread = _rollout(exp, step, inputs, timer, lengths_DxB, block)
   score_s, reference_s, update_s = _learner(exp, step, timer, lengths_DxB, prompts_DxB, programs)
-  return StepTime(m.batch_size, schedules, rollout, score_s, reference_s, update_s, reward_s, programs, by_length)
+  return StepTime(m.batch_size, schedules, rollout, score_s, reference_s, update_s, reward_s, programs, by_length,
+                  rollout_spread)
 
 
 def _draws(exp, lengths_B, prompt_lengths_B) -> tuple[np.ndarray, np.ndarray]:
@@ -221,8 +226,9 @@ def _draws(exp, lengths_B, prompt_lengths_B) -> tuple[np.ndarray, np.ndarray]:
 
 def _rollout(exp, step, inputs, timer: _Timer, lengths_DxB: np.ndarray, block: int):
   """The rollout of each draw through the engine's schedule on `block` slots, its decode steps timed at their cache
-  lengths and its prefills: (schedules, the mean RolloutTime, the programs timed: prefill and decode at the longest
-  cache, the decode step's time by cache length)."""
+  lengths and its prefills, kernel by kernel (this CPU) taken above their best by the decode step's measured spread:
+  (schedules, the mean RolloutTime, the programs timed: prefill and decode at the longest cache, the decode step's
+  time by cache length, the spread)."""
   m, engine = exp.member, exp.engine
   slots = block // sharding.data_parallel_size(exp.mesh)
   knobs = _DECODE_KNOBS.format(slots=slots)
@@ -252,10 +258,12 @@ def _rollout(exp, step, inputs, timer: _Timer, lengths_DxB: np.ndarray, block: i
   timed = [s.time(lambda rows, length: decode_step(length).seconds,
                   lambda q: programs["prefill"].running(1, q / prompts),
                   segment_seconds=lambda rows, length: decode_step(length).setup_s) for s in schedules]
-  rollout = engine_time.RolloutTime(*(float(np.mean(part)) for part in zip(*map(dataclasses.astuple, timed))))
+  rollout_spread = spread.rollout_spread(step, inputs) if timer.rates.kernel_level else 1.0
+  rollout = engine_time.RolloutTime(*(rollout_spread * float(np.mean(part))
+                                      for part in zip(*map(dataclasses.astuple, timed))))
   decode_step(max((s.cache_length for d in schedules for s in d.segments), default=inputs["state"].cache.length))
   programs["decode"] = by_length[max(by_length)]
-  return schedules, rollout, programs, dict(sorted(by_length.items()))
+  return schedules, rollout, programs, dict(sorted(by_length.items())), rollout_spread
 
 
 def _learner(exp, step, timer: _Timer, lengths_DxB: np.ndarray, prompts_DxB: np.ndarray, programs: dict
