@@ -14,6 +14,9 @@ from tests.helpers import ONE_DEVICE, debug_config, straight_and_resumed
 
 K = 2
 STALE = {"rl.max_staleness": K, "rl.old_logp": "trainer", "rl.tis_cap": 2.0}  # the decoupled objective, truncated
+# 4 steps of 32 rollouts (checkpoints at steps 2 and 4): the first K sample with the base policy, the last two lag by
+# K, and the kill at step 3 leaves steps 3 and 4 in flight; 6 steps checked nothing more.
+IN_FLIGHT = dict(STALE, sample_budget=128)
 
 
 @pytest.mark.slow
@@ -22,12 +25,13 @@ def test_rollouts_come_from_the_policy_k_steps_before_resume_in_flight_and_do_no
   # The uninterrupted run generates on a device of its own (the policy resharded onto it, the rollouts copied back):
   # the runs below, colocated on one device, give its rows.
   split = str(tmp_path / "disaggregated")
-  Trainer(debug_config(base_cache, **STALE, **{"rollout_mesh.devices": 1}), split, devices=jax.devices()[:2]).run()
-  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **STALE), straight=split)
+  Trainer(debug_config(base_cache, **IN_FLIGHT, **{"rollout_mesh.devices": 1}), split,
+          devices=jax.devices()[:2]).run()
+  a, b = straight_and_resumed(tmp_path, monkeypatch, lambda: debug_config(base_cache, **IN_FLIGHT), straight=split)
   train = [r for r in a if "reward_mean" in r]
-  lags = [min(s, K) for s in range(6)]  # the first K steps sample with the base policy
+  lags = [min(s, K) for s in range(4)]  # the first K steps sample with the base policy
   assert [r["policy_lag_max"] for r in train] == lags
-  assert [r["policy_version"] for r in train] == [s - lag for s, lag in zip(range(6), lags)]
+  assert [r["policy_version"] for r in train] == [s - lag for s, lag in zip(range(4), lags)]
   assert [r["policy_lag_samples_mean"] for r in train] == [32.0 * lag for lag in lags]
   assert all(r["reward_mean"] > 0 and r["grad_norm"] > 0 for r in train)
   assert all(0.0 <= r["overlap_frac"] <= 1.0 and r["rollout_wait_s"] >= 0 and r["update_wait_s"] >= 0 for r in train)
@@ -44,7 +48,8 @@ def test_rollouts_come_from_the_policy_k_steps_before_resume_in_flight_and_do_no
   cores, remote = os.sched_getaffinity(0), str(tmp_path / "process")
   if not cores - {0}:  # e.g. under `taskset -c 0`
     pytest.skip("the rest passed; generation on core 0 needs another core for the learner, and there is none")
-  Trainer(debug_config(base_cache, **STALE, **{"rollout_mesh.process_cores": "0"}), remote, devices=ONE_DEVICE).run()
+  Trainer(debug_config(base_cache, **IN_FLIGHT, **{"rollout_mesh.process_cores": "0"}), remote,
+          devices=ONE_DEVICE).run()
   assert rundir.rows_mismatch(a, rundir.read_metrics(remote), compared) is None
   assert os.sched_getaffinity(0) == cores
 
