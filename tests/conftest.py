@@ -47,12 +47,26 @@ if "JAXRL_BATCH_TEST_BASE_CACHE" not in os.environ:
   atexit.register(shutil.rmtree, os.environ["JAXRL_BATCH_TEST_BASE_CACHE"], True)
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
   """Tests that train a run (they use the warm-start base policy, `base_cache`) are `slow`, like those that start
-  processes or run notebooks: `pytest -m "not slow"` keeps the unit, kernel, model, engine and update tests."""
+  processes or run notebooks: `pytest -m "not slow"` keeps the unit, kernel, model, engine and update tests.
+
+  In a pytest-xdist worker under `--dist=loadgroup`, each test marked xdist_group("x") gets its id suffixed "@x", which
+  is how the controller sends a group to one worker. pytest-xdist (3.8) writes the suffix to `item._nodeid`, which
+  pytest 9.2 no longer reads (a node's id is `item._id`, a `NodeId`): there the groups were silently ignored, and each
+  worker built the module fixtures its share of a group needed (measured: tests/test_trainer.py's shared run trained
+  in both workers). The suffix is set here where xdist's did not take."""
   for item in items:
     if "base_cache" in getattr(item, "fixturenames", ()):
       item.add_marker(pytest.mark.slow)
+  if not getattr(config.option, "loadgroup", False):
+    return
+  for item in items:
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+      from _pytest.nodeid import NodeId  # pylint: disable=import-outside-toplevel  # pytest >= 9.2 only
+      item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")  # pylint: disable=protected-access
 
 
 @pytest.fixture(scope="session")
