@@ -76,6 +76,20 @@ def base_cache():
 
 
 @pytest.fixture(scope="session")
+def debug_run(tmp_path_factory, base_cache):
+  """The directory of one uninterrupted run of the debug member (`helpers.debug_config`: 6 steps of 32 rollouts,
+  checkpoints at steps 4 and 6), shared by tests/test_trainer.py and tests/test_run_safety.py, whose tests only read
+  it (copy it before changing anything). They are marked xdist_group("debug_run"): under `-n 2` one worker trains it
+  once for both modules."""
+  from jaxrl_batch.train.trainer import Trainer  # pylint: disable=import-outside-toplevel  # after the environment
+  from tests.helpers import ONE_DEVICE, debug_config  # pylint: disable=import-outside-toplevel
+
+  workdir = str(tmp_path_factory.mktemp("debug_run") / "run")
+  Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
+  return workdir
+
+
+@pytest.fixture(scope="session")
 def compile_only_tpu():
   """`compile_only_tpu(name)`: libtpu's compile-only devices of TPU topology `name` ('v5p:2x2x1'), a
   `topologies.Topology`; skips the test (with the reason) where libtpu is not installed or cannot load them."""

@@ -27,9 +27,10 @@ from jaxrl_batch.train.workdir_lock import WorkdirBusy, WorkdirLock
 from tests.helpers import ROOT, launch_train
 
 ONE = jax.devices()[:1]
-# Under -n 2 the tests that train the debug member run in one worker: the finished run is trained once, and the
-# programs of the member are compiled once.
-ON_DEBUG_MEMBERS_WORKER = pytest.mark.xdist_group("finished_run")
+# Under -n 2 the tests that train the debug member run in one worker: the finished run is trained once (for
+# tests/test_trainer.py's tests of the same group too: `debug_run`, tests/conftest.py), and the programs of the member
+# are compiled once.
+ON_DEBUG_MEMBERS_WORKER = pytest.mark.xdist_group("debug_run")
 ONE_DEVICE = ("mesh.data=1",)
 
 
@@ -41,11 +42,10 @@ def config(base_cache, sample_budget=192, overrides=(), family=grpo_arith):
 
 
 @pytest.fixture(scope="module")
-def finished_run(base_cache, tmp_path_factory):
-  """A finished debug run's directory (copy it before changing anything)."""
-  workdir = str(tmp_path_factory.mktemp("finished") / "run")
-  Trainer(config(base_cache), workdir, devices=ONE).run()
-  return workdir
+def finished_run(debug_run):
+  """A finished debug run's directory (copy it before changing anything): `config(base_cache)`'s, which is
+  `helpers.debug_config(base_cache)`, trained once for this module and tests/test_trainer.py (tests/conftest.py)."""
+  return debug_run
 
 
 def copy_of(run_dir, tmp_path):

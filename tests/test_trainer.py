@@ -25,18 +25,11 @@ EVAL_FIELDS = {"step", "samples", "wall_s", "eval_accuracy", "eval_reward_errors
 
 
 # Under `-n 2` the tests that read a shared run run in one worker, which trains it once (`--dist=loadgroup`); a test
-# that trains the same member runs there too, on the programs compiled for it.
+# that trains the same member runs there too, on the programs compiled for it. The debug member's run (`debug_run`,
+# tests/conftest.py) is tests/test_run_safety.py's too: its tests are in the same group.
 ON_DEBUG_RUNS_WORKER = pytest.mark.xdist_group("debug_run")
 ON_PPO_RUNS_WORKER = pytest.mark.xdist_group("ppo_run")
 PPO_KNOBS = {"rl.kl_coef": 0.05, "rl.kl_target": 0.001, "rl.dynamic_sampling": True}
-
-
-@pytest.fixture(scope="module")
-def debug_run(tmp_path_factory, base_cache):
-  """The directory of one uninterrupted run of the debug member, shared by the tests that only read it."""
-  workdir = str(tmp_path_factory.mktemp("debug_run"))
-  Trainer(debug_config(base_cache), workdir, devices=ONE_DEVICE).run()
-  return workdir
 
 
 @pytest.fixture(scope="module")
