@@ -1,7 +1,11 @@
 """The decode step's bytes on a TPU slice (issue 36): the token choice over a vocabulary split over `tensor` stays
 split (`strategies.choose`), and `train.decode_roofline.hbm_bytes` counts an operand a fusion only slices as the
 slices read, so the per-row cache write's loop and the embedding lookup count the rows they touch, not the whole
-layer or table."""
+layer or table; and a mixture of experts' grouped matmuls (XLA's TPU ragged dot) at the experts the step's tokens
+choose, where the compiled kernels say they read only the groups with rows."""
+import base64
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_batch.model import KVCache
+from jaxrl_batch.model import moe
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import Strategy
 from jaxrl_batch.sampling.strategies import choose
@@ -111,3 +116,39 @@ def test_padded_choice_gives_the_tokens_and_log_probs_of_the_unpadded_one():
           jax.device_put(logits_BxV, NamedSharding(mesh, P(None, "tensor"))), keys_B, sampling)
     np.testing.assert_array_equal(np.asarray(padded[0]), np.asarray(token_B))
     np.testing.assert_allclose(np.asarray(padded[1]), np.asarray(logp_B), atol=1e-5)
+
+
+def _grouped_step(compile_only_tpu, experts: int = 16, d: int = 2048, f: int = 768, tokens: int = 8, k: int = 2):
+  """The optimized HLO of `moe.grouped_swiglu` (three ragged dots) for one v5p chip, and its weights' bytes (50 MB a
+  stack: read by the kernels from HBM; the compiler copies small ones whole into on-chip memory first)."""
+  topology = compile_only_tpu("v5p:2x2x1")
+  one = NamedSharding(jax.sharding.Mesh(topology.devices[:1], ("x",)), P())
+  struct = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=one)
+  args = (struct((tokens, d)), struct((tokens, k), jnp.int32), struct((tokens, k), jnp.float32),
+          struct((experts, d, f)), struct((experts, d, f)), struct((experts, f, d)))
+  text = jax.jit(moe.grouped_swiglu).lower(*args).compile().as_text()
+  return text, 3 * experts * d * f * 2
+
+
+def test_tpu_grouped_matmuls_read_only_groups_with_rows(compile_only_tpu):
+  text, weights = _grouped_step(compile_only_tpu)
+  # The compiled kernels: the metadata gives an empty group no tiles, the matmul's grid runs over those tiles.
+  assert decode_roofline.grouped_kernels_skip_empty_groups(text)
+  whole, quarter = decode_roofline.hbm_bytes(text), decode_roofline.hbm_bytes(text, groups_read=0.25)
+  assert whole > weights
+  np.testing.assert_allclose(whole - quarter, 0.75 * weights, rtol=1e-6)
+  # Kernels that would visit every group: a grid of fixed bound, or metadata giving empty groups tiles. Their
+  # weights count whole whatever is asked.
+  for old, new in (("-9223372036854775808", "16"), ("arith.cmpi eq", "arith.cmpi ne")):
+    visiting = _edit_kernels(text, old, new)
+    assert visiting != text
+    assert not decode_roofline.grouped_kernels_skip_empty_groups(visiting)
+    assert decode_roofline.hbm_bytes(visiting, groups_read=0.25) == whole
+
+
+def _edit_kernels(text: str, old: str, new: str) -> str:
+  """`text` with `old` replaced by `new` in the Mosaic code (base64) of its kernels."""
+  def edit(match):
+    body = base64.b64decode(match.group(1)).decode().replace(old, new)
+    return '"body":"' + base64.b64encode(body.encode()).decode() + '"'
+  return re.sub(r'"body":"([^"]+)"', edit, text)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_batch.model import ModelConfig, Transformer, moe, sequence_logits
+from jaxrl_batch.model import KVCache, ModelConfig, Transformer, moe, sequence_logits
 from jaxrl_batch.model.layers import SwiGLU
-from jaxrl_batch.model.masks import causal_mask, positions_from_valid
+from jaxrl_batch.model.masks import DecodeSpan, causal_mask, positions_from_valid
 from jaxrl_batch.runtime import sharding
 from tests.helpers import next_token_loss, one_device_model
 
@@ -77,6 +77,11 @@ def test_decode_loops_over_the_chosen_experts_and_accelerators_group_larger_call
   experts, weights = jnp.array([[1, 2, 3], [1, 5, 6]]), jnp.full((2, 3), 0.5)  # 6 assignments <= 8 experts
   text = jax.jit(moe.expert_swiglu).lower(x, experts, weights, *w).as_text()
   assert "ragged" not in text and "while" in text and "case" in text  # a loop that skips unchosen experts
+  # On TPU the grouped kernel, which reads only the groups with rows (tests/test_decode_step_bytes.py); on GPU the loop.
+  few = jax.export.export(jax.jit(moe.expert_swiglu), platforms=("tpu",))(x, experts, weights, *w).mlir_module()
+  assert "ragged_dot" in few and "while" not in few
+  few = jax.export.export(jax.jit(moe.expert_swiglu), platforms=("cuda",))(x, experts, weights, *w).mlir_module()
+  assert "ragged_dot" not in few and "while" in few
   # 9 assignments > 8 experts: grouped matmuls on GPU and TPU; on CPU, where ragged_dot is a masked dense product
   # over every expert, the loop again.
   many = (jnp.ones((3, 16)), jnp.zeros((3, 3), jnp.int32), jnp.ones((3, 3)), *w)
@@ -84,6 +89,33 @@ def test_decode_loops_over_the_chosen_experts_and_accelerators_group_larger_call
   for platform in ("tpu", "cuda"):
     text = jax.export.export(jax.jit(moe.expert_swiglu), platforms=(platform,))(*many).mlir_module()
     assert "ragged_dot" in text and "while" not in text, platform
+
+
+def test_rows_that_are_not_live_go_to_no_expert():
+  layer = _model().blocks[0].mlp
+  x = jax.random.normal(jax.random.key(6), (4, 1, CFG.d_model))
+  live = jnp.array([True, False, True, False])[:, None]
+  y, routing = layer(x)
+  masked, masked_routing = layer(x, live_BxT=live)
+  np.testing.assert_array_equal(masked[live[:, 0]], y[live[:, 0]])
+  assert np.all(np.asarray(masked[~live[:, 0]]) == 0) and np.abs(np.asarray(y[~live[:, 0]])).min() > 0
+  np.testing.assert_array_equal(masked_routing.experts_NxK, routing.experts_NxK)  # as the router chose
+
+
+def test_a_decode_step_routes_its_empty_spans_to_no_expert(monkeypatch):
+  """The engines' finished and free slots (an empty span) reach no expert: a step reads the live rows' experts."""
+  model, computed = _model(), []
+  original = moe.sharded_swiglu
+  monkeypatch.setattr(moe, "sharded_swiglu", lambda x, routing, *a, **k: (computed.append(routing.experts_NxK),
+                                                                           original(x, routing, *a, **k))[1])
+  span = DecodeSpan(jnp.array([0, 3, 1, 0]), jnp.array([5, 0, 4, 0]))  # rows 1 and 3 empty
+  tokens = jnp.array([[3], [4], [5], [6]])
+  _, _, experts_Bx1xLxK = model.step(tokens, jnp.array([[4], [0], [3], [0]]), span, KVCache.zeros(CFG, 4, 8), 0,
+                                     decode_backend="xla")
+  assert len(computed) == len(CFG.moe_layers)
+  for layer, experts_NxK in enumerate(computed):
+    np.testing.assert_array_equal(experts_NxK[1::2], -1)
+    np.testing.assert_array_equal(experts_NxK[0::2], experts_Bx1xLxK[0::2, 0, layer])  # the live rows as chosen
 
 
 @pytest.mark.parametrize("norm", [True, False])

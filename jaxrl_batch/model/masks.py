@@ -77,3 +77,9 @@ class DecodeSpan(NamedTuple):
   starts_B: jax.Array
   ends_B: jax.Array
   window: int | None = None
+
+  @property
+  def live_B(self) -> jax.Array:
+    """Rows that attend at least one key: a continuous engine's finished or free slot has an empty span (its token
+    is discarded), and its MoE layers route it to no expert."""
+    return self.ends_B > self.starts_B

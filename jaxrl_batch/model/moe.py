@@ -3,10 +3,10 @@
 Dropless: every (token, expert) assignment is computed. Assignments are sorted into expert groups and run through
 grouped matmuls (`jax.lax.ragged_dot`), so the work is k expert MLPs per token whatever the routing. When a call
 has no more assignments than experts (a decode step of a few rows), a loop over the chosen experts runs instead
-(`looped_swiglu`): the step reads only the experts its tokens chose, each once, as the decode cost model
-(`sampling.roofline`) counts. On CPU the loop serves every call: JAX lowers `ragged_dot` there to a masked dense
-product over every expert (65-75 ms for one token at E = 16 experts of 768 x 1024, where the loop takes 2.2 ms;
-190 against 57 ms at 128 tokens).
+(`looped_swiglu`) on GPU and CPU: the step reads only the experts its tokens chose, each once, as the decode cost
+model (`sampling.roofline`) counts; TPU's grouped matmul kernel reads only those already. On CPU the loop serves
+every call: JAX lowers `ragged_dot` there to a masked dense product over every expert (65-75 ms for one token at
+E = 16 experts of 768 x 1024, where the loop takes 2.2 ms; 190 against 57 ms at 128 tokens).
 
 Under a mesh the block runs as one `shard_map` over every mesh axis: tokens are split over the batch axes (`data`,
 `fsdp`, `expert`, those that divide the batch), experts over `expert`, each expert's hidden width over `tensor`.
@@ -130,14 +130,18 @@ def looped_swiglu(x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_d
 
 def expert_swiglu(x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, first_expert=0,
                   adapters=()):
-  """The MoE MLP of N tokens over the E experts held here: `looped_swiglu` when the N k assignments are no more
-  than E (decode), else the grouped matmuls of `grouped_swiglu` (prefill, training) on GPU and TPU, and the loop
-  again on CPU, where JAX's `ragged_dot` is a masked product over every expert (k times the loop's FLOPs). The same
-  sum either way; the platform is chosen when the program is lowered (`jax.lax.platform_dependent`)."""
+  """The MoE MLP of N tokens over the E experts held here, the same sum by platform (chosen when the program is
+  lowered, `jax.lax.platform_dependent`):
+    TPU  the grouped matmuls of `grouped_swiglu` always: XLA's TPU ragged dot is a Mosaic kernel whose grid runs over
+         the groups with rows only (its compiled code, `train.decode_roofline.grouped_kernels_skip_empty_groups`),
+         so a decode step reads the chosen experts' weights, each once, without a loop's step per expert;
+    GPU  `looped_swiglu` when the N k assignments are no more than E (decode), else the grouped matmuls;
+    CPU  the loop always: JAX's `ragged_dot` is a masked product over every expert there (k times the loop's FLOPs).
+  """
   n, k = experts_NxK.shape
   args = (x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, first_expert, adapters)
   if n * k <= w_gate_ExDxF.shape[0]:
-    return looped_swiglu(*args)
+    return jax.lax.platform_dependent(*args, tpu=grouped_swiglu, default=looped_swiglu)
   return jax.lax.platform_dependent(*args, cpu=looped_swiglu, default=grouped_swiglu)
 
 
@@ -238,15 +242,20 @@ class MoE(nnx.Module):
       for name in STACKS:
         setattr(self, name + SUFFIX, ExpertAdapter(getattr(self, name), lora, rngs))
 
-  def __call__(self, x_BxTxD, replay_BxTxK=None):
-    """(y_BxTxD, Routing of the B*T tokens, row-major); `replay_BxTxK` forces each token's experts."""
+  def __call__(self, x_BxTxD, replay_BxTxK=None, live_BxT=None):
+    """(y_BxTxD, Routing of the B*T tokens, row-major); `replay_BxTxK` forces each token's experts. Tokens where
+    `live_BxT` is False (a decode step's finished or free slots, whose tokens are discarded) go to no expert and get
+    y = 0, so a step reads only the experts its live rows chose; their routing is returned as the router chose."""
     dt = self.cfg.compute_dtype
     b, t, d = x_BxTxD.shape
     logits_NxE = linear(x_BxTxD.reshape(b * t, d), self.router[...].astype(dt), preferred_element_type=jnp.float32)
     replay = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
     routing = route(logits_NxE, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, replay)
+    computed = routing
+    if live_BxT is not None:
+      computed = routing._replace(experts_NxK=jnp.where(live_BxT.reshape(-1, 1), routing.experts_NxK, -1))
     adapted = hasattr(self, STACKS[0] + SUFFIX)
     adapters = tuple(getattr(self, name + SUFFIX).factors(dt) for name in STACKS) if adapted else ()
-    y = sharded_swiglu(x_BxTxD, routing, *(getattr(self, name)[...].astype(dt) for name in STACKS),
+    y = sharded_swiglu(x_BxTxD, computed, *(getattr(self, name)[...].astype(dt) for name in STACKS),
                        chunk=self.cfg.moe_chunk, adapters=adapters)
     return y, routing

@@ -8,6 +8,7 @@ from jaxrl_batch.model.kv_cache import KVCache
 from jaxrl_batch.model.layers import Attention, RMSNorm, SwiGLU, fan_in_normal, sharded_param
 from jaxrl_batch.model.linear import linear
 from jaxrl_batch.model.lora import LoRAConfig
+from jaxrl_batch.model.masks import DecodeSpan
 from jaxrl_batch.model.moe import MoE, stacked_experts
 
 
@@ -28,7 +29,8 @@ class Block(nnx.Module):
                          decode_backend)
     x_BxTxD = x_BxTxD + h
     if self.sparse:
-      y, routing = self.mlp(self.mlp_norm(x_BxTxD), replay_BxTxK)
+      live_BxT = mask_BxTxS.live_B[:, None] if isinstance(mask_BxTxS, DecodeSpan) else None
+      y, routing = self.mlp(self.mlp_norm(x_BxTxD), replay_BxTxK, live_BxT)
     else:
       y, routing = self.mlp(self.mlp_norm(x_BxTxD)), None
     return x_BxTxD + y, cache, routing

@@ -2,6 +2,8 @@
 a fused computation reads of its parameters. Why: `kernels`, `program_time` and `train.decode_roofline` all count bytes
 from that text; one reader keeps their counts the same.
 """
+import base64
+import json
 import math
 import re
 
@@ -45,3 +47,13 @@ def sliced_reads(instructions: list[tuple[str, str, str, str]]) -> dict[int, int
       if operand in number:
         reads.setdefault(operand, []).append(sum(array_bytes(type_)) if op in _SLICING and position == 0 else None)
   return {number[name]: sum(sizes) for name, sizes in reads.items() if None not in sizes}
+
+
+def mosaic_body(rest: str) -> str:
+  """The Mosaic MLIR module of a `tpu_custom_call` instruction (its backend config's base64 `body`), from the rest of
+  its line; "" where there is none."""
+  config = re.search(r"backend_config=(\{.*\})\s*$", rest)
+  if not config:
+    return ""
+  body = json.loads(config.group(1)).get("custom_call_config", {}).get("body", "")
+  return base64.b64decode(body).decode(errors="replace") if body else ""

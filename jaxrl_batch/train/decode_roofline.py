@@ -14,7 +14,8 @@ Two readings of the compiled step: the compiler's `bytes accessed` and `optimal_
 copies of operands into on-chip memory (memory space S(1), VMEM) that the TPU compiler makes before a fusion reads
 them (at one row, the weights staged into VMEM count about three times: read, written, read again), and
 `hbm_bytes`, the bytes each instruction of the optimized program reads and writes in HBM (`hbm_bytes`: operands and
-results outside on-chip memory, each counted whole; the body of a loop or branch once).
+results outside on-chip memory, each counted whole; the body of a loop or branch once; a mixture of experts' grouped
+matmuls, whose TPU kernels fetch only the experts with rows, at the roofline's expected fraction of the experts).
 
 The program compiled is `step`: what `continuous._chunk` runs per token (`continuous.decode_token`: the model's
 cached one-token step over the slots' spans, then the token choice), without admission, which the engine runs once
@@ -63,6 +64,8 @@ class Point:
   roofline_seconds: float
   cache_bytes_held: int  # per chip, as the engine lays the cache out
   hbm_bytes: float | None = None
+  groups_read: float = 1.0  # of a chip's experts, as the roofline and `hbm_bytes` count them; 1 for a dense model
+  slots: int = 0  # compiled; more than `concurrency` below the data-parallel size, the others finished
   error: str = ""
 
   @property
@@ -83,13 +86,21 @@ def roofline_bytes(step_: aot._Step, rows: int, length: int) -> tuple[float, flo
     if "embedding" in jax.tree_util.keystr(path) and not cfg.tie_embeddings:
       held *= min(1.0, rows / leaf.shape[0])
     elif cfg.num_experts and leaf.ndim == 3 and leaf.shape[0] == cfg.num_experts:
-      held *= expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, rows) / cfg.num_experts
+      held *= experts_read(cfg, rows)
     weights += held
   tensor = mesh.shape.get("tensor", 1)
   heads = cfg.num_kv_heads // tensor if cfg.num_kv_heads % tensor == 0 else 1
   rows_per_chip = -(-rows // sharding.data_parallel_size(mesh))
   cache = 2 * cfg.num_layers * rows_per_chip * length * heads * cfg.head_dim * cfg.compute_dtype.itemsize
   return weights, float(cache)
+
+
+def experts_read(cfg: ModelConfig, rows: int) -> float:
+  """The fraction of each chip's experts a step of `rows` tokens is expected to read under uniform routing
+  (`sampling.roofline.expected_distinct_experts`); 1 for a dense model."""
+  if not cfg.num_experts:
+    return 1.0
+  return expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, rows) / cfg.num_experts
 
 
 def engine_step(config: ml_collections.ConfigDict, devices, prompt_len: int, response_len: int, slots: int):
@@ -106,32 +117,34 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
             response_len: int) -> tuple[dict, list[Point]]:
   """Compiles `step` for each concurrency (slots decoding at once on the slice: `sampling.slots` x the data-parallel
   size) on compile-only `topology` chips and returns (the topology's figures, one `Point` per concurrency; a point
-  that cannot compile holds the reason in `error`)."""
+  that cannot compile holds the reason in `error`). A concurrency below the data-parallel size is the engine at its
+  fewest slots (one a shard) with that many live, as at the tail of a rollout: the same program, whose kernels read
+  the live rows' experts and cache spans; the roofline and `hbm_bytes` count those (the busiest chip's one row)."""
   topo = topologies.compile_only(topology)
   mesh = sharding.make_mesh(**config.mesh, devices=topo.devices)
   data_parallel = sharding.data_parallel_size(mesh)
   points = []
   for concurrency in concurrencies:
-    if concurrency % data_parallel:
+    if concurrency > data_parallel and concurrency % data_parallel:
       points.append(Point(concurrency, 0, None, None, None, 0.0, 0.0, 0.0, 0,
                           error=f"not a multiple of the mesh's {data_parallel} data-parallel shards"))
       continue
-    step_, inputs = engine_step(config, topo.devices, prompt_len, response_len, concurrency // data_parallel)
+    step_, inputs = engine_step(config, topo.devices, prompt_len, response_len, -(-concurrency // data_parallel))
     if isinstance(inputs, str):
       points.append(Point(concurrency, 0, None, None, None, 0.0, 0.0, 0.0, 0, error=inputs))
       continue
     state = inputs["state"]
-    slots = state.token_S.shape[0]
     length = state.cache.length
-    weights, cache_read = roofline_bytes(step_, slots, length)
-    point = Point(slots, length, None, None, None, weights, cache_read,
-                  (weights + cache_read) / topo.chip.hbm_bytes_per_s,
-                  aot._per_chip_bytes(state.cache))  # pylint: disable=protected-access
+    weights, cache_read = roofline_bytes(step_, concurrency, length)
+    held = aot._per_chip_bytes(state.cache)  # pylint: disable=protected-access
+    point = Point(concurrency, length, None, None, None, weights, cache_read,
+                  (weights + cache_read) / topo.chip.hbm_bytes_per_s, held,
+                  groups_read=experts_read(step_.exp.model_cfg, concurrency), slots=state.token_S.shape[0])
     try:
       compiled = compile_step(step_, inputs)
       cost = aot._cost(compiled)  # pylint: disable=protected-access
       point.bytes_accessed, point.optimal_seconds, point.flops = cost.bytes_accessed, cost.optimal_seconds, cost.flops
-      point.hbm_bytes = hbm_bytes(compiled.as_text())
+      point.hbm_bytes = hbm_bytes(compiled.as_text(), point.groups_read)
     except Exception as e:  # pylint: disable=broad-except  # Reported per concurrency: the others still compile.
       point.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     points.append(point)
@@ -175,12 +188,54 @@ def _hbm_arrays(text: str) -> list[int]:
           if not re.search(r"S\(\d+\)", array.group(3) or "")]
 
 
-def hbm_bytes(hlo_text: str) -> float:
+# MLIR's kDynamic: a Mosaic grid bound known only when the kernel runs.
+_DYNAMIC_BOUND = str(-(2**63))
+# A grouped matmul's group metadata kernel giving an empty group no tiles: `tiles = select(size == 0, 0, ...)`.
+_EMPTY_GROUP_NO_TILES = re.compile(r"(%\w+) = arith\.cmpi eq, %\w+, (%c0_i32\w*) : i32\s+%\w+ = arith\.select \1, \2,")
+
+
+def grouped_kernels_skip_empty_groups(hlo_text: str) -> bool:
+  """Whether the grouped matmuls of an optimized TPU program (XLA's ragged dot, a Mosaic kernel marked
+  `ragged_dot_tiling`) read only the groups that have rows, as their compiled code says: the group metadata kernel
+  gives an empty group no tiles, and each matmul's grid runs over the metadata's tiles (a bound known at run time),
+  one group's weights a step. False where the program has none or any kernel reads otherwise."""
+  kernels = metadata = 0
+  for line in hlo_text.split("\n"):
+    match = hlo.INSTRUCTION.match(line)
+    if not match or match.group(3) != "custom-call" or "tpu_custom_call" not in line:
+      continue
+    body = hlo.mosaic_body(match.group(4))
+    if 'op_name="ragged-dot-metadata' in line:
+      metadata += 1
+      if not _EMPTY_GROUP_NO_TILES.search(body):
+        return False
+    elif "ragged_dot_tiling" in line:
+      kernels += 1
+      bounds = re.search(r"iteration_bounds = array<i64: ([^>]*)>", body)
+      rhs = re.search(r"transform_indices = @rhs_transform_indices, window_bounds = array<i64: 1,", body)
+      if not (bounds and _DYNAMIC_BOUND in bounds.group(1) and rhs):
+        return False
+  return kernels > 0 and metadata > 0
+
+
+def _grouped_operand(rest: str) -> int | None:
+  """The position of a ragged dot kernel's grouped weights (its rank-3 operand) among its operands."""
+  constraints = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", rest)
+  if not constraints:
+    return None
+  ranks = [len(dims.split(",")) for _, dims, _ in hlo.ARRAY.findall(constraints.group(1))]
+  return ranks.index(3) if ranks.count(3) == 1 else None
+
+
+def hbm_bytes(hlo_text: str, groups_read: float = 1.0) -> float:
   """Bytes an optimized HLO module's instructions read and write in HBM: per instruction of the entry computation
   (and, once, of the bodies and branches it calls), its operands and result outside on-chip memory, each counted
   whole but an operand a fusion only slices (`hlo.sliced_reads`: the slices); a copy into on-chip memory (copy-start)
-  counts its source, an in-place dynamic-update-slice its update. An estimate that over-counts a fusion reading
-  part of an operand otherwise."""
+  counts its source, an in-place dynamic-update-slice its update; a grouped matmul's weights, where its kernels read
+  only the groups with rows (`grouped_kernels_skip_empty_groups`), at `groups_read` of them (the expected fraction
+  of experts a step's tokens choose). An estimate that over-counts a fusion reading part of an operand otherwise."""
+  if groups_read != 1.0 and not grouped_kernels_skip_empty_groups(hlo_text):
+    groups_read = 1.0
   blocks = {}
   for block in re.split(r"\n(?=%|ENTRY )", hlo_text):
     head, _, body = block.partition("\n")
@@ -208,9 +263,10 @@ def hbm_bytes(hlo_text: str) -> float:
       if fused and fused.group(1) not in sliced_by:
         sliced_by[fused.group(1)] = hlo.sliced_reads(blocks.get(fused.group(1), []))
       sliced = sliced_by[fused.group(1)] if fused else {}
+      grouped = _grouped_operand(rest) if op == "custom-call" and "ragged_dot_tiling" in rest else None
       for i, operand in enumerate(operands):
         held = sum(sizes.get(operand, ()))
-        count += min(held, sliced[i]) if i in sliced else held
+        count += min(held, sliced[i]) if i in sliced else held * groups_read if i == grouped else held
       if op != "copy-start":
         count += sum(sizes[var])
     return count
