@@ -139,3 +139,21 @@ def test_compiled_step_on_a_tensor_mesh_holds_one_kv_head_per_chip(compile_only_
     # 2 kv heads of the tiny model repeated to 4: each chip holds one head of each of 2 layers' keys and values.
     assert point.cache_bytes_held == point.cache_bytes
   assert points[1].roofline_seconds > points[0].roofline_seconds
+
+
+@pytest.mark.slow
+def test_concurrency_below_the_data_parallel_size_is_one_slot_a_shard_with_that_many_live(compile_only_tpu):
+  """A mixture of experts on expert = 4: concurrency 1 compiles the 4-slot step (one slot a chip) and reads, in the
+  roofline and at the grouped matmuls, the experts of one token, not of four."""
+  compile_only_tpu("v5p:2x2x1")
+  from configs import grpo_gsm8k_qwen  # pylint: disable=import-outside-toplevel
+  config = grpo_gsm8k_qwen.get_config("model=tiny_moe,mesh=1x1x1x4")
+  with config.unlocked():
+    config.group_size = 1
+    config.rl.estimator = "reinforce_pp"
+  _, (one, four) = decode_roofline.measure(config, "v5p:2x2x1", [1, 4], 16, 48)
+  assert not one.error and not four.error, (one.error, four.error)
+  assert (one.concurrency, one.slots) == (1, 4) and (four.concurrency, four.slots) == (4, 4)
+  assert one.groups_read == pytest.approx(2 / 8) and four.groups_read == pytest.approx(1 - (1 - 2 / 8) ** 4)
+  assert one.cache_bytes == four.cache_bytes  # one row a chip either way
+  assert one.weight_bytes < four.weight_bytes
