@@ -5,8 +5,8 @@ Prompts are left-padded, so every row writes its next token at the same cache sl
 (`masks.DecodeSpan`). With the xla decode backend a step reads a cache window that grows through power-of-two
 buckets (`cache_buckets`), one `lax.while_loop` segment each, the rest skipped once every row has stopped: one
 program, no host round trip. The pallas kernel reads only each row's live blocks, so one segment covers the whole
-length. A row that has stopped attends an empty span until the call ends: the kernel reads none of its cache and
-its MoE layers route it to no expert. The rows of a group (`group_size`) share one prefill of their prompt. Details (where the window lives on
+length. A row that has stopped attends an empty span until the call ends: the kernels read none of its cache (TPU's,
+one block) and its MoE layers route it to no expert. The rows of a group (`group_size`) share one prefill of their prompt. Details (where the window lives on
 each platform, the random stream, compiles): docs/results/2026-12-06-engine-notes.md.
 """
 import functools
