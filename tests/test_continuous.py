@@ -79,8 +79,10 @@ def test_sampled_tokens_do_not_depend_on_slots_or_chunk(tiny):
 
 @pytest.mark.slow
 def test_pallas_backend_gives_the_xla_tokens(tiny):
+  # 3 slots, chunks of 2: the xla run's programs are those of
+  # test_greedy_tokens_equal_the_static_engine_whatever_slots_and_chunk[3-2].
   prompt, valid, budget = _requests(2)
-  runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(4, backend), 3)[0]
+  runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(2, backend), 3)[0]
           for backend in ("xla", "pallas")]
   assert_same_rollout(runs[1], runs[0], atol=1e-4)
 
@@ -207,8 +209,9 @@ def test_a_short_pool_preempts_and_re_prefills_to_the_same_tokens(tiny):
 
 @pytest.mark.slow
 def test_the_paged_pallas_kernel_gives_the_xla_tokens(tiny):
+  # 5 slots, chunks of 2, pages of 4: the xla run's programs are test_a_paged_cache_gives_the_static_engine_tokens'.
   prompt, valid, budget = _requests(11)
-  runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(4, backend, page_size=4), 3)[0]
+  runs = [_continuous(tiny, prompt, valid, budget, GREEDY, _engine(2, backend, page_size=4), 5)[0]
           for backend in ("xla", "pallas")]
   assert_same_rollout(runs[1], runs[0], atol=1e-4)
 
