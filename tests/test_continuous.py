@@ -218,13 +218,15 @@ def test_the_paged_pallas_kernel_gives_the_xla_tokens(tiny):
 
 @pytest.mark.slow
 def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
+  # 4 slots, chunks of 2, pages of 2: the expected run's programs are those of the ample pool of
+  # test_a_short_pool_preempts_and_re_prefills_to_the_same_tokens.
   prompt, valid, budget = _requests(12)
-  engine = _engine(2, page_size=4)
+  engine = _engine(2, page_size=2)
   requests = continuous.new_requests(8, group_size=2, max_new_tokens=N, pad_id=PAD, budget_B=budget)
-  expected, _ = _continuous(tiny, prompt, valid, budget, SAMPLED, engine, 3)
+  expected, _ = _continuous(tiny, prompt, valid, budget, SAMPLED, engine, 4)
   args = (*tiny, prompt[::2], valid[::2])
   first = continuous.decode(*args, requests, np.zeros(8), range(8), jax.random.key(0), eos_id=EOS, sampling=SAMPLED,
-                            engine=engine, slots=3, stop=lambda ended, steps: steps >= 4)
+                            engine=engine, slots=4, stop=lambda ended, steps: steps >= 4)
   held = first.held_R
   assert 0 < (held > 0).sum() and not first.ended_R.all()
   out = first.outputs
@@ -232,7 +234,7 @@ def test_paged_sequences_stopped_and_resumed_continue_as_if_never_stopped(tiny):
                               lengths_R=jnp.asarray(held, jnp.int32))
   rest = [i for i in range(8) if not first.ended_R[i]]
   second = continuous.decode(*args, carried, held, rest, jax.random.key(0), eos_id=EOS, sampling=SAMPLED,
-                             engine=engine, slots=3)
+                             engine=engine, slots=4)
   merged = jax.tree.map(lambda a, b: jnp.where(jnp.asarray(first.ended_R).reshape((8,) + (1,) * (a.ndim - 1)), a, b),
                         out, second.outputs)
   assert_same_rollout(continuous.to_rollout(merged, pad_id=PAD), expected, atol=1e-4)
