@@ -66,8 +66,8 @@ def test_greedy_tokens_equal_the_static_engine_whatever_slots_and_chunk(tiny, sl
 @pytest.mark.slow
 def test_sampled_tokens_do_not_depend_on_slots_or_chunk(tiny):
   prompt, valid, budget = _requests(1)
-  # 3 slots, chunks of 2: the programs test_one_upload_and_one_download_per_chunk_and_no_recompiles and the sampled
-  # test_sequences_stopped_and_resumed_continue_as_if_never_stopped compile too (compiled once in this module).
+  # 3 slots, chunks of 2: the programs the sampled test_sequences_stopped_and_resumed_continue_as_if_never_stopped
+  # compiles too (compiled once in this module).
   runs = [_continuous(tiny, prompt, valid, budget, SAMPLED, _engine(chunk), slots)[0]
           for slots, chunk in ((8, 16), (3, 2), (1, 1))]
   for other in runs[1:]:
@@ -110,13 +110,12 @@ def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
 
 @pytest.mark.slow
 def test_one_upload_and_one_download_per_chunk_and_no_recompiles(tiny):
-  # 3 slots, chunks of 2: the sampled programs of test_sampled_tokens_do_not_depend_on_slots_or_chunk.
   prompt, valid, budget = _requests(4)
-  _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(2), 3)
+  _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(3), 3)
   compiled = continuous._chunk._cache_size()
   transfer.reset()
   prompt, valid, budget = _requests(5)
-  _, stats = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(2), 3)
+  _, stats = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(3), 3)
   assert transfer.counts() == {"admit": stats.chunks, "slots": stats.chunks}
   assert continuous._chunk._cache_size() == compiled
 
