@@ -118,29 +118,6 @@ def test_a_decode_step_routes_its_empty_spans_to_no_expert(monkeypatch):
     np.testing.assert_array_equal(experts_NxK[0::2], experts_Bx1xLxK[0::2, 0, layer])  # the live rows as chosen
 
 
-def test_the_static_engine_routes_a_stopped_row_to_no_expert(monkeypatch):
-  """Once a row has stopped (its budget spent), its decode steps attend an empty span and reach no expert."""
-  from jaxrl_batch.sampling import EngineSettings, Strategy, rollout
-  seen, original = [], moe.sharded_swiglu
-
-  def spy(x, routing, *args, **kwargs):
-    jax.debug.callback(lambda e: seen.append(np.asarray(e)), routing.experts_NxK)
-    return original(x, routing, *args, **kwargs)
-
-  monkeypatch.setattr(moe, "sharded_swiglu", spy)
-  graphdef, params = one_device_model(CFG)
-  prompt = jnp.asarray(np.random.default_rng(1).integers(3, CFG.vocab_size, (3, 5)), jnp.int32)  # shapes of its own
-  out, _ = rollout(graphdef, params, prompt, jnp.ones((3, 5), bool), jax.random.key(2), max_new_tokens=7, eos_id=-1,
-                   pad_id=0, sampling=Strategy(temperature=1.0), engine=EngineSettings(attention_backend="xla"),
-                   group_size=1, slots=0, budget_B=jnp.array([2, 7, 4]))
-  np.testing.assert_array_equal(out.lengths_B, [2, 7, 4])
-  steps = [e for e in seen if e.shape[0] == 3]  # the decode steps' (the prefill's are 15 tokens)
-  assert len(steps) == 6 * len(CFG.moe_layers)  # step i feeds token i + 1 and chooses token i + 2
-  for j, experts_BxK in enumerate(steps):
-    chosen = j // len(CFG.moe_layers) + 2
-    np.testing.assert_array_equal(experts_BxK >= 0, np.array([[chosen <= 2], [True], [chosen <= 4]]).repeat(2, 1))
-
-
 @pytest.mark.parametrize("norm", [True, False])
 def test_route_takes_top_k_of_the_softmax(norm):
   logits = jax.random.normal(jax.random.key(4), (10, 8)) * 3

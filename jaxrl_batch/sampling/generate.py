@@ -5,8 +5,7 @@ Prompts are left-padded, so every row writes its next token at the same cache sl
 (`masks.DecodeSpan`). With the xla decode backend a step reads a cache window that grows through power-of-two
 buckets (`cache_buckets`), one `lax.while_loop` segment each, the rest skipped once every row has stopped: one
 program, no host round trip. The pallas kernel reads only each row's live blocks, so one segment covers the whole
-length. A row that has stopped attends an empty span until the call ends: the kernels read none of its cache (TPU's,
-one block) and its MoE layers route it to no expert. The rows of a group (`group_size`) share one prefill of their prompt. Details (where the window lives on
+length. The rows of a group (`group_size`) share one prefill of their prompt. Details (where the window lives on
 each platform, the random stream, compiles): docs/results/2026-12-06-engine-notes.md.
 """
 import functools
@@ -119,7 +118,7 @@ def _decoded(model, carry: _Carry, starts_B, budget_B, *, p: int, buckets: tuple
 
   def body(c: _Carry, window: int):
     slot = p + c.step - 1  # cache slot of the previous token, fed now
-    span = DecodeSpan(starts_B, jnp.where(c.done_B, 0, slot + 1), window)  # a stopped row reads nothing
+    span = DecodeSpan(starts_B, jnp.full((b,), slot + 1), window)
     logits_Bx1xV, cache, experts_Bx1xLxK = model.step(c.token_B[:, None], c.position_B[:, None], span, c.cache,
                                                       slot, decode_backend=backend)
     rng, step_rng = jax.random.split(c.rng)
