@@ -29,6 +29,7 @@ from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
+from tests.close import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_DEVICE = jax.devices()[:1]
@@ -61,11 +62,15 @@ def assert_trees_equal(a, b):
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
-def assert_same_rollout(a, b, atol=1e-5):
-  """Two `Rollout`s hold the same tokens, masks, lengths and truncation, and log-probs to `atol`."""
+def assert_same_rollout(a, b, rtol=5e-6):
+  """Two `Rollout`s hold the same tokens, masks, lengths and truncation, and log-probs to `rtol` of their largest
+  magnitude (`rtol=0`: bit for bit, for the same program run twice)."""
   for name in ("tokens_BxN", "mask_BxN", "lengths_B", "truncated_B"):
     np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
-  np.testing.assert_allclose(np.asarray(a.logprobs_BxN), np.asarray(b.logprobs_BxN), atol=atol)
+  if rtol == 0:
+    np.testing.assert_array_equal(np.asarray(a.logprobs_BxN), np.asarray(b.logprobs_BxN))
+  else:
+    assert_close(a.logprobs_BxN, b.logprobs_BxN, rtol)
 
 
 # Qwen2.5-1.5B's attention at a training length: 12 query heads over 2 kv heads of 128, bfloat16.
@@ -198,19 +203,10 @@ def one_step(mesh, num_micro, batch, cfg, kl_coef=0.0, train_actor=True, packing
   return models, before, jax.tree.map(np.asarray, state), metrics
 
 
-def assert_close_to_sum(actual, want, scale, rel=1e-5, err_msg=""):
-  """actual == want to `rel` of `scale`, the sum of the magnitudes of the terms that make up `want`.
-
-  A float32 sum is accurate to a few ulps of its terms' magnitudes, not of its result: a loss that is a small
-  difference of larger terms keeps last bits that depend on the order XLA sums in (the CPU kind, the thread count,
-  the device count), so its tolerance follows the terms, never the (possibly near-0) result alone."""
-  assert scale > 0, scale
-  np.testing.assert_allclose(actual, want, rtol=0, atol=rel * scale, err_msg=err_msg)
-
-
 def loss_scale(models, params, batch, cfg, metrics):
-  """The sum of |terms| of the update's loss and its policy part: the hand computation's (below; token-level ratio
-  and no dual clip, so an estimate for GSPO's and dual-clip configs) plus vf_coef * the (non-negative) value loss."""
+  """The sum of |terms| of the update's loss and its policy part, the `scale` of their `assert_close`: the hand
+  computation's (below; token-level ratio and no dual clip, so an estimate for GSPO's and dual-clip configs) plus
+  vf_coef * the (non-negative) value loss."""
   policy = hand_loss(models, params, batch, cfg)[1]
   return dict(loss=policy + cfg.vf_coef * float(metrics.get("value_loss", 0.0)), policy_loss=policy)
 
@@ -221,15 +217,12 @@ def assert_metrics_close(metrics, want, scales, rtol=2e-5):
   for key in want:
     if key.startswith("noise_"):  # Estimates from micro-batches of other sizes.
       continue
-    if key in scales:
-      assert_close_to_sum(metrics[key], want[key], scales[key], rel=rtol, err_msg=key)
-    else:
-      np.testing.assert_allclose(metrics[key], want[key], rtol=rtol, atol=1e-7, err_msg=key)
+    assert_close(metrics[key], want[key], rtol, scale=scales.get(key), err_msg=key)
 
 
 def hand_loss(models, params, batch, cfg, ref_logp=None, kl_coef=0.0):
   """The documented loss in numpy, token by token (token-level ratio, no dual clip), and the sum of its terms'
-  magnitudes, to which its float32 computation is accurate (`assert_close_to_sum`)."""
+  magnitudes, to which its float32 computation is accurate (the `scale` of its `assert_close`)."""
   logp, logits = sequence_logprobs(models.graphdef, params, batch.tokens_BxT, batch.valid_BxT)
   logp, old, sampler, adv, mask = map(np.asarray, (logp, batch.old_logp_BxT, batch.sampler_logp_BxT, batch.adv_BxT,
                                                     batch.loss_mask_BxT))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrl_batch.rl import advantages, returns
+from tests.close import assert_close
 
 
 def test_normalized_advantages_use_population_std():
@@ -13,26 +14,26 @@ def test_normalized_advantages_use_population_std():
   rewards_B = jnp.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
   adv_B = advantages.group_advantages(rewards_B, group_size=4)
   scale = 0.5 / (0.5 + 1e-6)
-  np.testing.assert_allclose(adv_B, [scale, -scale, -scale, scale, 0, 0, 0, 0], rtol=1e-6)
+  assert_close(adv_B, [scale, -scale, -scale, scale, 0, 0, 0, 0], 1e-6)
 
 
 def test_groups_are_contiguous():
   # Groups [3, 1] and [0, 4]: means 2 and 2, stds 1 and 2.
   adv_B = advantages.group_advantages(jnp.array([3.0, 1.0, 0.0, 4.0]), group_size=2, eps=0.0)
-  np.testing.assert_allclose(adv_B, [1.0, -1.0, -1.0, 1.0], rtol=1e-6)
+  assert_close(adv_B, [1.0, -1.0, -1.0, 1.0], 1e-6)
 
 
 def test_unnormalized_advantages_subtract_group_mean():
   rewards_B = jnp.array([1, 0, 0, 1, 2, 2, 2, 5])  # ints are accepted
   adv_B = advantages.group_advantages(rewards_B, group_size=4, normalize_std=False)
   assert adv_B.dtype == jnp.float32
-  np.testing.assert_allclose(adv_B, [0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25], rtol=1e-6)
+  assert_close(adv_B, [0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25], 1e-6)
 
 
 def test_jit_with_static_group_size():
   fn = jax.jit(advantages.group_advantages, static_argnames=("group_size", "normalize_std"))
   adv_B = fn(jnp.array([3.0, 1.0, 0.0, 4.0]), group_size=2, normalize_std=False)
-  np.testing.assert_allclose(adv_B, [1.0, -1.0, -2.0, 2.0], rtol=1e-6)
+  assert_close(adv_B, [1.0, -1.0, -2.0, 2.0], 1e-6)
 
 
 def test_zero_std_group_frac():
@@ -53,7 +54,7 @@ def test_rejects_bad_shapes(rewards_B, group_size, match):
 def test_rloo_is_leave_one_out():
   # Group [1, 0, 0, 1]: r_0 - mean(0, 0, 1) = 2/3.
   adv_B = advantages.rloo_advantages(jnp.array([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0]), group_size=4)
-  np.testing.assert_allclose(adv_B, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0], rtol=1e-6, atol=1e-7)
+  assert_close(adv_B, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0], 2e-6)
 
 
 def test_outcome_reward_sits_on_the_last_response_token():
@@ -71,8 +72,8 @@ def test_gae_hand_computed():
   values = jnp.array([[0.0, 0.5, 0.6, 0.8], [0.0, 0.5, 0.6, 5.0]])
   adv, ret = returns.gae(rewards, values, mask, gamma=1.0, lam=0.5)
   # Row 1: delta_2 = 1 - 0.6 = 0.4, delta_1 = 0.6 - 0.5 = 0.1 -> A_1 = 0.1 + 0.5 * 0.4 = 0.3.
-  np.testing.assert_allclose(adv, [[0, 0.25, 0.3, 0.2], [0, 0.3, 0.4, 0]], rtol=1e-6, atol=1e-7)
-  np.testing.assert_allclose(ret, [[0, 0.75, 0.9, 1.0], [0, 0.8, 1.0, 0]], rtol=1e-6, atol=1e-7)
+  assert_close(adv, [[0, 0.25, 0.3, 0.2], [0, 0.3, 0.4, 0]], 2e-6)
+  assert_close(ret, [[0, 0.75, 0.9, 1.0], [0, 0.8, 1.0, 0]], 2e-6)
 
 
 def test_gae_with_lambda_1_gives_discounted_returns():
@@ -80,23 +81,23 @@ def test_gae_with_lambda_1_gives_discounted_returns():
   rewards = advantages.outcome_rewards(jnp.array([1.0]), mask)
   values = jnp.array([[0.0, 0.5, 0.6, 0.8]])
   _, ret = returns.gae(rewards, values, mask, gamma=0.9, lam=1.0)
-  np.testing.assert_allclose(ret, [[0, 0.81, 0.9, 1.0]], rtol=1e-6)
-  np.testing.assert_allclose(returns.discounted_returns(rewards, mask, 0.9), [[0, 0.81, 0.9, 1.0]], rtol=1e-6)
+  assert_close(ret, [[0, 0.81, 0.9, 1.0]], 1e-6)
+  assert_close(returns.discounted_returns(rewards, mask, 0.9), [[0, 0.81, 0.9, 1.0]], 1e-6)
 
 
 def test_reinforce_pp_whitens_returns_over_the_batch():
   # Returns [[1, 1], [0]] over 3 tokens: mean 2/3, std sqrt(2)/3 -> (1 - 2/3) / (sqrt(2)/3) = 1/sqrt(2).
   mask = jnp.array([[0, 1, 1], [0, 1, 0]], bool)
   adv, ret = advantages.estimate("reinforce_pp", jnp.array([1.0, 0.0]), mask, group_size=1)
-  np.testing.assert_allclose(ret, [[0, 1, 1], [0, 0, 0]])
-  np.testing.assert_allclose(adv, [[0, 2**-0.5, 2**-0.5], [0, -(2**0.5), 0]], rtol=1e-5)
+  assert_close(ret, [[0, 1, 1], [0, 0, 0]], 1e-7)
+  assert_close(adv, [[0, 2**-0.5, 2**-0.5], [0, -(2**0.5), 0]], 1e-5)
 
 
 def test_reinforce_pp_baseline_subtracts_the_group_mean_first():
   # Groups [1, 0] and [1, 1]: centred rewards 0.5, -0.5, 0, 0; one token each -> whitened by std sqrt(0.125).
   mask = jnp.array([[0, 1]] * 4, bool)
   adv, _ = advantages.estimate("reinforce_pp_baseline", jnp.array([1.0, 0.0, 1.0, 1.0]), mask, group_size=2)
-  np.testing.assert_allclose(adv[:, 1], np.array([0.5, -0.5, 0, 0]) / np.sqrt(0.125), rtol=1e-5)
+  assert_close(adv[:, 1], np.array([0.5, -0.5, 0, 0]) / np.sqrt(0.125), 1e-5)
 
 
 def test_sequence_estimators_broadcast_and_fold_in_token_rewards():
@@ -105,9 +106,9 @@ def test_sequence_estimators_broadcast_and_fold_in_token_rewards():
   kl_rewards = jnp.array([[9.0, -0.1, -0.1], [0, -0.3, 7.0], [0, 0, 0], [0, 0, 0]])  # Off-mask entries ignored.
   adv, _ = advantages.estimate("drgrpo", rewards, mask, group_size=2, token_rewards_BxT=kl_rewards)
   # Sequence rewards 0.8, -0.3 -> +-0.55; group 2 equal -> 0.
-  np.testing.assert_allclose(adv, [[0, 0.55, 0.55], [0, -0.55, 0], [0, 0, 0], [0, 0, 0]], rtol=1e-5, atol=1e-7)
+  assert_close(adv, [[0, 0.55, 0.55], [0, -0.55, 0], [0, 0, 0], [0, 0, 0]], 2e-5)
   adv, _ = advantages.estimate("grpo", rewards, mask, group_size=2)
-  np.testing.assert_allclose(adv[:2], [[0, 1, 1], [0, -1, 0]], rtol=1e-4)
+  assert_close(adv[:2], [[0, 1, 1], [0, -1, 0]], 1e-4)
 
 
 def test_gae_needs_values():
@@ -140,8 +141,6 @@ def test_groups_with_spread_match_a_float64_reference():
   rewards_GxK[:, 0] = 0.5  # Every group has spread.
   centred_GxK = rewards_GxK - rewards_GxK.mean(axis=1, keepdims=True)
   rewards_B = jnp.asarray(rewards_GxK.reshape(-1), jnp.float32)
-  np.testing.assert_allclose(advantages.group_advantages(rewards_B, 7),
-                             (centred_GxK / (rewards_GxK.std(axis=1, keepdims=True) + 1e-6)).reshape(-1),
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(advantages.rloo_advantages(rewards_B, 7), (centred_GxK * 7 / 6).reshape(-1),
-                             rtol=1e-5, atol=1e-6)
+  want = centred_GxK / (rewards_GxK.std(axis=1, keepdims=True) + 1e-6)
+  assert_close(advantages.group_advantages(rewards_B, 7), want.reshape(-1), 2e-5)
+  assert_close(advantages.rloo_advantages(rewards_B, 7), (centred_GxK * 7 / 6).reshape(-1), 2e-5)

@@ -13,6 +13,7 @@ import pytest
 
 from jaxrl_batch.analysis import analyze, clock, curves
 from jaxrl_batch.analysis.bootstrap import mean_ci
+from tests.close import assert_close
 
 STEP_S = (0.25, 0.125, 0.125)  # rollout, reward, update seconds of every step.
 COMPILE_S = 30.0  # Extra rollout seconds of the first step.
@@ -77,9 +78,9 @@ def test_clock_excludes_first_row_and_interpolates_in_samples():
   train_samples = np.array([64, 128, 192])
   phase_s = np.array([[30.0, 0, 0], [1.0, 0, 0], [2.0, 0.5, 0.5]])  # Steps 2..3: 128 samples in 4 s.
   assert clock.throughput(train_samples, phase_s) == 32
-  np.testing.assert_allclose(clock.seconds_per_sample(train_samples, phase_s), [3 / 128, 0.5 / 128, 0.5 / 128])
+  assert_close(clock.seconds_per_sample(train_samples, phase_s), [3 / 128, 0.5 / 128, 0.5 / 128], 1e-7)
   # Knots: (0, 0), (64, 64/32 = 2), (128, 3), (192, 6).
-  np.testing.assert_allclose(clock.clock_at(train_samples, phase_s, [32, 64, 96, 160]), [1, 2, 2.5, 4.5])
+  assert_close(clock.clock_at(train_samples, phase_s, [32, 64, 96, 160]), [1, 2, 2.5, 4.5], 1e-7)
 
 
 def test_single_run_S_T_R_exact(tmp_path):
@@ -242,8 +243,8 @@ def test_reference_default_and_explicit(tmp_path):
 
 
 def test_smoothing(tmp_path):
-  np.testing.assert_allclose(curves.smooth(np.array([0, 0.3, 0.6, 0.3, 0.9]), 3), [0, 0.3, 0.4, 0.6, 0.9])
-  np.testing.assert_allclose(curves.smooth(np.array([0, 0.3, 0.6, 0.3, 0.9]), 5), [0, 0.3, 0.42, 0.6, 0.9])
+  assert_close(curves.smooth(np.array([0, 0.3, 0.6, 0.3, 0.9]), 3), [0, 0.3, 0.4, 0.6, 0.9], 1e-7)
+  assert_close(curves.smooth(np.array([0, 0.3, 0.6, 0.3, 0.9]), 5), [0, 0.3, 0.42, 0.6, 0.9], 1e-7)
   with pytest.raises(ValueError, match="smooth must be an odd number"):
     curves.smooth(np.zeros(3), 2)
   write_run(tmp_path, "sqrt", 64, [(0, 0.4), (256, 0.8), (512, 0.4), (768, 0.8), (1024, 0.8)])
@@ -325,9 +326,9 @@ def test_cold_rows_after_a_resume_are_charged_at_the_steady_rate():
   phase_s = np.array([[9.0, 0.0, 0.0], [1.0, 0.0, 0.0], [9.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
   cold = np.array([True, False, True, False])
   assert clock.throughput(train_samples, phase_s, cold) == 32
-  np.testing.assert_allclose(clock.clock_at(train_samples, phase_s, [64, 128], cold), [2, 4])
+  assert_close(clock.clock_at(train_samples, phase_s, [64, 128], cold), [2, 4], 1e-7)
   # Without the marker only the first row is excluded, and the resume's compile time counts.
-  np.testing.assert_allclose(clock.clock_at(train_samples, phase_s, [128]), [32 / (96 / 11) + 11])
+  assert_close(clock.clock_at(train_samples, phase_s, [128]), [32 / (96 / 11) + 11], 1e-7)
 
 
 def test_noise_scale_of_one_run_against_the_measured_penalties(tmp_path):

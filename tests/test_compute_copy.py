@@ -79,7 +79,7 @@ def test_the_copy_computes_the_master_weights_logits_and_rollouts(moe):
   rollouts = [generate_continuous(graphdef, p, prompt, valid, jax.random.key(0), max_new_tokens=4, eos_id=EOS,
                                   pad_id=PAD, sampling=Strategy(temperature=1.0), engine=engine, slots=2)[0]
               for p in (params, copy)]
-  assert_same_rollout(rollouts[1], rollouts[0], atol=0.0)
+  assert_same_rollout(rollouts[1], rollouts[0], rtol=0)
 
 
 def test_the_aot_check_compiles_the_engines_on_the_copy_with_the_master_resident():

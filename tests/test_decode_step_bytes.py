@@ -18,6 +18,7 @@ from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import Strategy
 from jaxrl_batch.sampling.strategies import choose
 from jaxrl_batch.train import decode_roofline
+from tests.close import assert_close
 
 _SLICING_HLO = """HloModule m
 
@@ -115,7 +116,7 @@ def test_padded_choice_gives_the_tokens_and_log_probs_of_the_unpadded_one():
       padded = jax.jit(choose, static_argnums=2)(
           jax.device_put(logits_BxV, NamedSharding(mesh, P(None, "tensor"))), keys_B, sampling)
     np.testing.assert_array_equal(np.asarray(padded[0]), np.asarray(token_B))
-    np.testing.assert_allclose(np.asarray(padded[1]), np.asarray(logp_B), atol=1e-5)
+    assert_close(np.asarray(padded[1]), np.asarray(logp_B), 5e-6)
 
 
 def _grouped_step(compile_only_tpu, experts: int = 16, d: int = 2048, f: int = 768, tokens: int = 8, k: int = 2):
@@ -136,7 +137,7 @@ def test_tpu_grouped_matmuls_read_only_groups_with_rows(compile_only_tpu):
   assert decode_roofline.grouped_kernels_skip_empty_groups(text)
   whole, quarter = decode_roofline.hbm_bytes(text), decode_roofline.hbm_bytes(text, groups_read=0.25)
   assert whole > weights
-  np.testing.assert_allclose(whole - quarter, 0.75 * weights, rtol=1e-6)
+  assert_close(whole - quarter, 0.75 * weights, 1e-6)
   # Kernels that would visit every group: a grid of fixed bound, or metadata giving empty groups tiles. Their
   # weights count whole whatever is asked.
   for old, new in (("-9223372036854775808", "16"), ("arith.cmpi eq", "arith.cmpi ne")):

@@ -31,7 +31,7 @@ def test_pass_at_k_hand_values_and_brute_force():
   for n in range(1, 8):  # The fraction of the k-subsets of n samples (the first c correct) holding a correct one.
     for c, k in itertools.product(range(n + 1), range(1, n + 1)):
       subsets = list(itertools.combinations(range(n), k))
-      assert pass_at_k(n, c, k) == pytest.approx(sum(min(s) < c for s in subsets) / len(subsets), abs=1e-12)
+      assert pass_at_k(n, c, k) == pytest.approx(sum(min(s) < c for s in subsets) / len(subsets), rel=1e-12)
   # Large n: the product form where the binomials overflow a float.
   assert pass_at_k(2000, 10, 100) == pytest.approx(1 - math.comb(1990, 100) / math.comb(2000, 100), rel=1e-12)
   with pytest.raises(ValueError, match="0 <= c <= n and 1 <= k <= n"):

@@ -24,6 +24,7 @@ from jaxrl_batch.model import ModelConfig, RopeScaling, Transformer, sequence_lo
 from jaxrl_batch.model.rope import inverse_frequencies  # noqa: E402
 from jaxrl_batch.runtime import sharding  # noqa: E402
 from jaxrl_batch.runtime.checkpointing import Checkpointer  # noqa: E402
+from tests.close import assert_close
 from tests.helpers import assert_trees_equal  # noqa: E402
 
 _BASE = dict(vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=96,
@@ -82,7 +83,7 @@ def test_sharded_load_gives_same_params_and_logits(exported):
   logits = jax.jit(sequence_logits, static_argnums=0)
   with jax.set_mesh(mesh):
     logits8 = logits(graphdef8, params8, *jax.device_put((tokens, valid), sharding.batch_sharding(mesh)))
-  np.testing.assert_allclose(logits8, logits(graphdef8, params, tokens, valid), atol=1e-5)
+  assert_close(logits8, logits(graphdef8, params, tokens, valid), 5e-6)
 
 
 def test_moe_load_sharded_over_experts_gives_same_params_and_logits(exported):
@@ -100,7 +101,7 @@ def test_moe_load_sharded_over_experts_gives_same_params_and_logits(exported):
   logits = jax.jit(sequence_logits, static_argnums=0)
   with jax.set_mesh(mesh):
     logits8 = logits(graphdef8, params8, *jax.device_put((tokens, valid), sharding.batch_sharding(mesh)))
-  np.testing.assert_allclose(logits8, logits(graphdef8, params, tokens, valid), atol=1e-5)
+  assert_close(logits8, logits(graphdef8, params, tokens, valid), 5e-6)
 
 
 def test_bfloat16_checkpoint(exported, tmp_path):
@@ -120,10 +121,10 @@ def test_llama3_rope_keeps_short_wavelengths_scales_long_ones_and_blends_between
   short, long = wavelength < 32 / 4, wavelength > 32 / 1
   middle = ~short & ~long
   assert short.any() and long.any() and middle.any()
-  np.testing.assert_allclose(scaled[short], base[short])
-  np.testing.assert_allclose(scaled[long], base[long] / 8, rtol=1e-6)
+  assert_close(scaled[short], base[short], 1e-7)
+  assert_close(scaled[long], base[long] / 8, 1e-6)
   assert np.all((scaled[middle] > base[middle] / 8) & (scaled[middle] < base[middle]))
-  np.testing.assert_allclose(inverse_frequencies(16, 1e4, RopeScaling("linear", 4.0)), base / 4, rtol=1e-6)
+  assert_close(inverse_frequencies(16, 1e4, RopeScaling("linear", 4.0)), base / 4, 1e-6)
 
 
 def test_transformers_4_and_5_config_layouts_agree():

@@ -24,6 +24,7 @@ from jaxrl_batch.model import Transformer, sequence_logits  # noqa: E402
 from jaxrl_batch.model import lora as lora_lib  # noqa: E402
 from jaxrl_batch.runtime import sharding  # noqa: E402
 from jaxrl_batch.sampling import Strategy, generate  # noqa: E402
+from tests.close import assert_close
 
 V, PAD, EOS = 128, 0, 127
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -100,10 +101,10 @@ def test_logits_match_transformers_with_and_without_left_padding(checkpoint, nam
   tokens, valid = _batch(2, 12, pad=4)
   ours = np.asarray(_jit_logits(graphdef, params, tokens, valid))
   want = _hf_logits(model, tokens, valid)
-  np.testing.assert_allclose(ours[valid], want[valid], atol=1e-4)
+  assert_close(ours[valid], want[valid], 2e-5)
   # Left padding changes nothing: row 1's real tokens alone give the same logits.
   alone = _hf_logits(model, tokens[1:, 4:], valid[1:, 4:])
-  np.testing.assert_allclose(ours[1, 4:], alone[0], atol=1e-4)
+  assert_close(ours[1, 4:], alone[0], 2e-5)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -138,8 +139,7 @@ def test_export_round_trip_loads_in_transformers(checkpoint, name, tmp_path):
   with safetensors.safe_open(tmp_path / "hf" / "model.safetensors", "np") as f:
     assert exported_names == set(f.keys())
   tokens, valid = _batch(2, 12, pad=4)
-  np.testing.assert_allclose(_hf_logits(reloaded, tokens, valid)[valid], _hf_logits(model, tokens, valid)[valid],
-                             atol=1e-5)
+  assert_close(_hf_logits(reloaded, tokens, valid)[valid], _hf_logits(model, tokens, valid)[valid], 5e-6)
 
 
 PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -172,7 +172,7 @@ def test_our_adapter_loads_in_peft_with_our_logits(checkpoint, name, tmp_path):
   got = np.asarray(_jit_logits(graphdef, ours, tokens, valid))[valid]
   base = np.asarray(_jit_logits(base_graphdef, params, tokens, valid))[valid]
   assert np.abs(got - base).max() > 0.1  # the adapters matter
-  np.testing.assert_allclose(got, _hf_logits(theirs, tokens, valid)[valid], atol=1e-4)
+  assert_close(got, _hf_logits(theirs, tokens, valid)[valid], 5e-5)
 
 
 @pytest.mark.parametrize("name", PEFT_FAMILIES)
@@ -194,7 +194,7 @@ def test_peft_adapter_loads_in_ours_with_peft_logits(checkpoint, name, tmp_path)
   tokens, valid = _batch(2, 12, pad=4)
   got = np.asarray(_jit_logits(graphdef, ours, tokens, valid))[valid]
   assert np.abs(got - _hf_logits(model, tokens, valid)[valid]).max() > 0.1  # the adapter matters
-  np.testing.assert_allclose(got, _hf_logits(theirs, tokens, valid)[valid], atol=1e-4)
+  assert_close(got, _hf_logits(theirs, tokens, valid)[valid], 5e-5)
 
 
 def test_peft_adapter_on_moe_experts_is_refused(checkpoint, tmp_path):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrl_batch.model.linear import SPLIT_K, linear
+from tests.close import assert_close
 
 
 @pytest.mark.parametrize("batch_shape", [(1, 1), (1,), (3, 1), (2, 5)])
@@ -16,7 +17,7 @@ def test_linear_matches_numpy(batch_shape, in_shape, out_shape):
   want = (x.reshape(*batch_shape, -1) @ w.reshape(-1, int(np.prod(out_shape)))).reshape(*batch_shape, *out_shape)
   got = jax.jit(linear, static_argnums=2)(jnp.asarray(x), jnp.asarray(w), len(in_shape))
   assert got.shape == want.shape
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert_close(got, want, 2e-5)
 
 
 def test_one_row_runs_as_a_batched_product_of_slabs():

@@ -14,6 +14,7 @@ import pytest
 
 from jaxrl_batch.train import rundir
 from jaxrl_batch.train.trainer import Trainer
+from tests.close import assert_close
 from tests.helpers import ROOT, debug_config, xla_flags
 
 pytestmark = pytest.mark.slow  # it starts the processes of a multi-host run
@@ -94,11 +95,10 @@ def test_two_processes_train_like_one(tmp_path):
   assert [sorted(r) for r in a] == [sorted(r) for r in b]
   for key in COMPARED:
     # Sums that can cancel to near 0 (the losses, of advantages of mean 0; the mean return, of rewards of either
-    # sign) also pass within 1e-5 of their terms' size, about 1 (advantages of unit std, rewards of at most about 1
-    # in size, token weights summing to 1).
-    atol = 1e-5 if key in ("loss", "policy_loss", "returns_mean") else 0.0
-    np.testing.assert_allclose([r.get(key, -1) for r in b], [r.get(key, -1) for r in a], rtol=1e-5, atol=atol,
-                               err_msg=key)
+    # sign) are compared at their terms' size, about 1 (advantages of unit std, rewards of at most about 1 in size,
+    # token weights summing to 1); the others at the largest of their rows.
+    scale = 1.0 if key in ("loss", "policy_loss", "returns_mean") else None
+    assert_close([r.get(key, -1) for r in b], [r.get(key, -1) for r in a], 1e-5, scale=scale, err_msg=key)
   assert b[1]["policy_loss"] != 0 and b[1]["grad_norm"] > 0
 
   # The base policy both processes trained and saved, and the train state after the step.
@@ -109,4 +109,4 @@ def test_two_processes_train_like_one(tmp_path):
       want, got = _arrays(single / part / item), _arrays(multi / part / item)
       assert want.keys() == got.keys() and len(want) > 10
       for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=f"{part}/{item}{key}")
+        assert_close(got[key], want[key], 5e-5, err_msg=f"{part}/{item}{key}")

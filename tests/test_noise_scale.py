@@ -21,7 +21,8 @@ from jaxrl_batch.rl.objective import LossWeights
 from jaxrl_batch.rl.packing import Packing
 from jaxrl_batch.rl.update import micro_loss
 from jaxrl_batch.runtime import sharding
-from tests.helpers import ONE_DEVICE, assert_close_to_sum, make_batch, one_step, setup
+from tests.close import assert_close, assert_trees_close
+from tests.helpers import ONE_DEVICE, make_batch, one_step, setup
 
 
 def coefficients(u_B, prompt_B, rows):
@@ -153,7 +154,7 @@ def test_signed_estimate_is_exact_for_prompt_ids_past_the_rows():
   out = from_signed_gradients(jnp.asarray(sq_3, jnp.float32), jnp.asarray(u_B, jnp.float32), jnp.asarray(prompt_B),
                               jnp.asarray(sample_B))
   got = [float(out[k]) for k in ("noise_signal_sq", "noise_inter_trace", "noise_intra_trace")]
-  np.testing.assert_allclose(got, theta, rtol=1e-3)
+  assert_close(got, theta, 1e-3)
 
 
 def simulate(rng, draws, prompts, group, dim, signal, inter, intra, u_B):
@@ -262,9 +263,9 @@ def test_update_signed_gradients_match_their_definition(case):
   ids = jnp.asarray(np.stack([prompt_B, sample_B], axis=1), jnp.int32)
   _, _, split, metrics = one_step(mesh, num_micro, batch, dataclasses.replace(cfg, noise_split=True),
                                   packing=packing, noise_ids=ids)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), plain, split)
+  assert_trees_close(split, plain, 2e-6)
   for key, value in want.items():
-    assert_close_to_sum(metrics[key], value, terms[key], rel=2e-5, err_msg=key)
+    assert_close(metrics[key], value, 2e-5, scale=terms[key], err_msg=key)
   assert np.isfinite(want["noise_intra_trace"]) and want["noise_intra_trace"] != 0
 
 
@@ -292,8 +293,8 @@ def test_update_micro_batch_estimate_matches_its_definition():
   scale = np.abs(unit) @ np.abs(np.concatenate([[grad_sq], micro_sq]))
   ids = jnp.asarray(np.stack([prompt_B, rows % 3], axis=1), jnp.int32)
   _, _, _, metrics = one_step(mesh, 2, batch, cfg, noise_ids=ids)
-  assert_close_to_sum(metrics["noise_signal_sq"], signal_sq, scale, rel=2e-5)
+  assert_close(metrics["noise_signal_sq"], signal_sq, 2e-5, scale=scale)
   trace = (grad_sq - signal_sq * u_B.sum()**2) / (u_B**2).sum()
-  assert_close_to_sum(metrics["noise_trace"], trace, scale * u_B.sum()**2 / (u_B**2).sum(), rel=2e-5)
+  assert_close(metrics["noise_trace"], trace, 2e-5, scale=scale * u_B.sum()**2 / (u_B**2).sum())
   _, _, _, whole = one_step(mesh, 2, batch, cfg)  # without ids: groups taken as whole, another estimate
   assert abs(float(whole["noise_signal_sq"]) - signal_sq) > 10 * 2e-5 * scale

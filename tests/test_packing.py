@@ -15,6 +15,7 @@ from jaxrl_batch.rl.forward import logprobs_and_values, reference_cfg
 from jaxrl_batch.rl.packing import Packing, first_fit_decreasing, pack, plan, unpack
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train.sft import sft_step
+from tests.close import assert_close, assert_trees_close
 from tests.helpers import (B, N, ONE_DEVICE, P, PPO, assert_metrics_close, debug_config, loss_scale, make_batch,
                            one_step, setup)
 
@@ -60,7 +61,7 @@ def test_attention_stays_within_each_packed_sequence():
   packed = jax.vmap(lambda t, s, p: sequence_logits(models.graphdef, state["params"], t, s > 0, s, p))(
       tokens, segment_ids, positions)
   valid = np.asarray(batch.valid_BxT)
-  np.testing.assert_allclose(np.asarray(unpack(the_plan, packed))[valid], np.asarray(padded)[valid], atol=2e-5)
+  assert_close(np.asarray(unpack(the_plan, packed))[valid], np.asarray(padded)[valid], 1e-5)
 
 
 AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"]
@@ -88,7 +89,7 @@ def test_packed_update_equals_the_padded_one_on_one_device_and_eight(cfg, reques
   skipped = eight and jax.device_count() < 8
   for mesh in (one, sharding.make_mesh(2, 2, 2)) if eight and not skipped else (one,):
     _, _, got, metrics = one_step(mesh, 2, batch, cfg, packing=PACKED)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=3e-6), want, got)
+    assert_trees_close(got, want, 5e-6)
     assert_metrics_close(metrics, want_metrics, scales)
   assert want_metrics["grad_norm"] > 0
   if skipped:
@@ -109,8 +110,8 @@ def test_trainer_logprobs_values_and_reference_over_packed_rows_equal_the_padded
     ref_cfg = dataclasses.replace(reference_cfg(cfg), temperature=0.7)
     ref = [logprobs_and_values(state["params"], None, *args[2:], models=models, cfg=ref_cfg, packing=p)[0]
            for p in (None, PACKED)]
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), padded, packed)
-  np.testing.assert_allclose(ref[0], ref[1], atol=2e-5)
+  assert_trees_close(packed, padded, 5e-6)
+  assert_close(ref[0], ref[1], 5e-6)
   assert np.abs(np.asarray(packed[0])).sum() > 0 and (packed[1] is None) == (not cfg.critic)
 
 
@@ -125,7 +126,7 @@ def test_packed_warm_start_step_equals_the_padded_one():
     with jax.set_mesh(mesh):
       outs.append(sft_step(state["params"], tx.init(state["params"]), batch.tokens_BxT, batch.valid_BxT,
                            batch.loss_mask_BxT, graphdef=models.graphdef, tx=tx, packing=packing))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=3e-6), outs[0], outs[1])
+  assert_trees_close(outs[0], outs[1], 1e-5)
   assert float(outs[0][2]) > 0
 
 
@@ -143,7 +144,7 @@ def test_a_run_with_packed_micro_batches_gives_the_padded_run_rows(tmp_path, bas
   # to 1) that can cancel to near 0, with a floor of 1e-5 too, far above float32 rounding at that size.
   assert rundir.rows_mismatch(*runs, [f for f in rundir.REPRODUCIBLE_FIELDS if f != "loss"], rtol=1e-4) is None
   loss = [[np.nan if r.get("loss") is None else r["loss"] for r in rows] for rows in runs]
-  np.testing.assert_allclose(loss[1], loss[0], rtol=1e-4, atol=1e-5)
+  assert_close(loss[1], loss[0], 2e-4)
   assert all(r["grad_norm"] > 0 for r in runs[1] if "grad_norm" in r)
   with pytest.raises(ValueError, match=r"micro_batch_tokens=8 packs rows of 12 tokens"):
     Trainer(debug_config(base_cache, micro_batch_tokens=8), str(tmp_path / "small"), devices=ONE_DEVICE)
