@@ -19,7 +19,7 @@ from tests.close import assert_close
 
 
 INTERPRET = os.environ.get("JAXRL_PALLAS_INTERPRET", "1") != "0"
-RTOL_F32 = 1e-5 if INTERPRET else 1e-4  # of the output's magnitude; compiled GPU dots may use TF32
+RTOL_F32 = 3e-6 if INTERPRET else 1e-4  # of the output's magnitude; compiled GPU dots may use TF32
 
 
 def _pallas(q, k, v, lengths, starts=None, *, block_s):

@@ -23,7 +23,7 @@ from jaxrl_batch.kernels.paged_attention import (
 from tests.close import assert_close
 
 INTERPRET = os.environ.get("JAXRL_PALLAS_INTERPRET", "1") != "0"
-RTOL_F32 = 1e-5 if INTERPRET else 1e-4  # of the output's magnitude; compiled GPU dots may use TF32
+RTOL_F32 = 3e-6 if INTERPRET else 1e-4  # of the output's magnitude; compiled GPU dots may use TF32
 TRITON = "__gpu$xla.gpu.triton"
 WHILE = "stablehlo.while"  # interpret mode lowers the kernel's grid and page loops to these
 MOSAIC = "tpu_custom_call"
