@@ -1,9 +1,11 @@
 r"""The recipe every family shares: a family file (grpo_arith.py, ppo_arith.py, grpo_reasoning.py, grpo_gsm8k_qwen.py)
 starts from `get_config` and states only what differs (its task, its base member, its budgets).
 
-Defaults live here, each commented where it is set (or in the family file that changes it). The library supplies
-none of its own: it reads the config's fields (no `config.get(key, default)`), and the dataclasses that mirror a
-group (`rl.algorithm.AlgoConfig` for `rl` and `critic`) are built from the config without defaults. A field added
+Defaults live here, each commented where it is set (or in the family file that changes it), except the model's:
+`config.model` lists every field of `jaxrl_batch.model.ModelConfig`, whose own defaults (documented there, used as
+well by models built without a config) fill the fields the recipe does not shape. The library supplies no others:
+it reads the config's fields (no `config.get(key, default)`), and the dataclasses that mirror a group
+(`rl.algorithm.AlgoConfig` for `rl` and `critic`) are built from the config without defaults. A field added
 after runs were written also gets an entry in `jaxrl_batch.config.migrate.ADDED`: the value those runs ran with,
 filled into an old config.json when it is read (resume, branch, analysis) and named in a log line.
 
@@ -17,8 +19,13 @@ import ml_collections
 
 from jaxrl_batch import tasks
 from jaxrl_batch.config.args import parse_arg
+from jaxrl_batch.model.config import ModelConfig
+from jaxrl_batch.model.lora import LoRAConfig
 from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.runtime import sharding
+from jaxrl_batch.sampling.engine_settings import EngineSettings
+from jaxrl_batch.sampling.strategies import Strategy
+from jaxrl_batch.train.evaluation import EvalConfig
 
 ARGS = dict(batch=0, lr_rule="sqrt", seed=0, family_axis="prompts", lora=0, debug=False, moe=False)
 CRITIC_BASE_BATCH = 128  # B0 of the critic's lr family (configs/ppo_arith.py's base member).
@@ -50,7 +57,8 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
   c.init_from = ""  # Hugging Face directory to start from instead of the supervised warm start.
   c.chat_template = "none"  # Prompt wrapping: auto (from the tokenizer) | none | chatml | ...
 
-  c.model = ml_collections.ConfigDict(dict(
+  # The policy (jaxrl_batch.model.ModelConfig: every field, documented there); the recipe sets the shape.
+  c.model = group(ModelConfig,
       vocab_size=32,  # Embedding rows; must be >= the tokenizer's vocabulary.
       d_model=128,  # Residual width.
       num_layers=4,  # Decoder blocks.
@@ -58,23 +66,11 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
       num_kv_heads=2,  # Key/value heads (GQA).
       head_dim=32,  # Width of one head.
       d_ff=512,  # SwiGLU hidden width.
-      rope_theta=10_000.0,  # RoPE base.
-      norm_eps=1e-6,  # RMSNorm epsilon.
-      tie_embeddings=True,  # Share the embedding table with the output head.
-      dtype="float32",  # Activations ("float32" | "bfloat16").
-      param_dtype="float32",  # Parameters.
-      logits_chunk=1024,  # Positions whose float32 logits exist at once in training and scoring (0 = all).
-      remat="none",  # What a block keeps for the backward pass: "none" | "block" | "dots" (recompute the rest).
-      attention="auto",  # Uncached forward: auto (CPU dense, TPU splash, GPU flash_gpu) | dense | splash | flash_gpu.
-  ))
-  # LoRA (jaxrl_batch.model.lora): rank > 0 trains low-rank adapters on the base policy (frozen; the KL reference is
-  # the base without them) instead of every weight; the lr rules apply to the adapters' lr.
-  c.lora = ml_collections.ConfigDict(dict(
-      rank=arg.lora,  # r; 0 = no adapters (the whole policy trains).
-      alpha=16.0,  # The adapters' update is scaled by alpha / rank.
-      targets=("q", "k", "v", "o", "gate", "up", "down"),  # Projections adapted (attention q/k/v/o, MLP).
-      dropout=0.0,  # Only 0 (the trainer's log-probs must be the sampler's policy's).
-  ))
+  )
+  # LoRA (jaxrl_batch.model.lora.LoRAConfig: rank, alpha, targets, dropout): rank > 0 trains low-rank adapters on
+  # the base policy (frozen; the KL reference is the base without them) instead of every weight; the lr rules apply
+  # to the adapters' lr.
+  c.lora = group(LoRAConfig, rank=arg.lora)
 
   # Device mesh (runtime.sharding.make_mesh); -1 takes the rest. `expert` splits MoE experts (and the batch).
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
@@ -107,17 +103,10 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
   c.micro_batch_tokens = 0
   c.rl = rl_config()
   c.critic = critic_config()
-  c.sampling = ml_collections.ConfigDict(dict(
-      temperature=1.0,  # Rollout temperature (the trainer scores log-probs at the same temperature).
-      top_k=0,  # 0 = off.
-      top_p=1.0,  # 1.0 = off.
-      attention_backend="auto",  # Decode attention: auto (pallas on GPU and TPU, else xla) | xla | pallas.
-      engine="static",  # static (one block, run to its longest response) | continuous (slots refilled as rows end).
-      slots=0,  # Sequences decoding at once per device (0 = the whole batch); static decodes blocks of this many.
-      chunk=16,  # Continuous engine: decode steps between two host syncs (one small transfer each way).
-      page_size=0,  # Continuous engine: > 0 pages the KV cache (sequences hold pages as they grow; one device).
-      pages=0,  # Paged cache: growable pages (0 = every slot at the longest length; fewer preempt and re-prefill).
-  ))
+  # Rollouts: how the next token is chosen (sampling.strategies.Strategy: temperature, top_k, top_p; the trainer
+  # scores log-probs at the same temperature) and how the engine runs (sampling.engine_settings.EngineSettings:
+  # engine static | continuous, slots, chunk, page_size, pages, attention_backend).
+  c.sampling = group(Strategy, EngineSettings)
   c.rollout = ml_collections.ConfigDict(dict(
       partial=False,  # Partial rollouts: slots never drain; unfinished sequences continue next step (continuous).
       partial_budget=0,  # Decode steps a step runs at least before it stops (it stops once B rollouts are complete).
@@ -146,15 +135,10 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
   # > 0: the run ends (saving a checkpoint) at the first evaluation whose held-out accuracy reaches this; a study's
   # members then stop once past the target they are analysed at. 0 = every run trains to sample_budget.
   c.stop_at_accuracy = 0.0
-  # Sampled evaluation (train.evaluation), may change on resume: k completions per held-out problem (0 = greedy
-  # only), logged as eval_pass1, eval_pass_at_k, eval_maj_at_k beside the greedy eval_accuracy.
-  c.eval = ml_collections.ConfigDict(dict(
-      num_samples=0,  # k samples per held-out problem; 0 = off.
-      temperature=1.0,  # Temperature of those samples (> 0; no top-k / top-p).
-      # Sequences decoded at once per device by the run's sampling.engine (0 = every held-out row at once); with the
-      # continuous engine, fewer slots than rows make the cost follow the tokens.
-      slots=0,
-  ))
+  # Sampled evaluation (train.evaluation.EvalConfig: num_samples, temperature, slots), may change on resume: k
+  # completions per held-out problem (0 = greedy only), logged as eval_pass1, eval_pass_at_k, eval_maj_at_k beside
+  # the greedy eval_accuracy.
+  c.eval = group(EvalConfig)
   c.checkpoint_every_samples = 4096  # Checkpoint cadence, in samples.
   c.log_every_steps = 5  # Progress line cadence, in steps (the line shows one of the step's completions).
   c.log_samples_every_steps = 10  # samples.jsonl cadence, in steps (0 = never): a few rollouts as text.
@@ -182,6 +166,17 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
   if arg.moe:
     c.model.update(moe_config(c.model))
   return c
+
+
+def group(*classes, **recipe) -> ml_collections.ConfigDict:
+  """The config group that `classes` (frozen dataclasses) are built from: every field of theirs, at its default
+  (written and documented in the dataclass only) or at the recipe's value in `recipe`."""
+  fields = [f for cls in classes for f in dataclasses.fields(cls)]
+  unknown = sorted(set(recipe) - {f.name for f in fields})
+  if unknown:
+    raise ValueError(f"{unknown} are no fields of {[cls.__name__ for cls in classes]}.")
+  defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+  return ml_collections.ConfigDict(dict(defaults, **recipe))
 
 
 def algo_config(**changes) -> AlgoConfig:

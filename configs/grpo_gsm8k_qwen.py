@@ -149,8 +149,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.task.max_response_tokens = 0 if tiny else RESPONSE_TOKENS.get(arg.model, 1024)
   c.tokenizer_path = SAMPLE_TOKENIZER if tiny else ""  # "" with init_from: the checkpoint's tokenizer.json.
   c.chat_template = "none" if tiny else "auto"
-  memory = dict(logits_chunk=c.model.logits_chunk, remat=c.model.remat)  # The base recipe's memory settings.
-  c.model = ml_collections.ConfigDict(dict(MODELS[arg.model], **memory))
+  c.model.update(MODELS[arg.model])  # The recipe's model group (every ModelConfig field) shaped as the model.
   c.mesh = ml_collections.ConfigDict(sharding.mesh_sizes(arg.mesh or MESHES.get(arg.model, DEFAULT_MESH)))
 
   c.micro_batch_size = 8 if tiny else 64

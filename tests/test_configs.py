@@ -1,8 +1,10 @@
 """Every shipped config builds (default and debug), each sweep member derives as launch.study builds it, config
 args are parsed strictly, and the mixture-of-experts members have the shapes they claim (they train in
 tests/test_router_stats.py)."""
+import dataclasses
 import glob
 import importlib
+import json
 import math
 import os
 
@@ -10,11 +12,17 @@ import jax
 import pytest
 
 from configs import grpo_arith, grpo_gsm8k_qwen
+from jaxrl_batch.config import migrate
 from jaxrl_batch.config.args import apply_overrides, parse_arg
 from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.model import ModelConfig
+from jaxrl_batch.model.lora import LoRAConfig
 from jaxrl_batch.runtime import sharding
+from jaxrl_batch.sampling.engine_settings import EngineSettings
+from jaxrl_batch.sampling.strategies import Strategy
 from jaxrl_batch.study import runner
+from jaxrl_batch.train import rundir
+from jaxrl_batch.train.evaluation import EvalConfig
 from jaxrl_batch.train.setup import Experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +59,44 @@ def test_sweep_members_follow_their_rule(name):
     ratio = c.batch_size / c.optim.base_batch
     want = c.optim.base_lr * {"sqrt": math.sqrt(ratio), "none": 1.0, "linear": ratio}[c.optim.lr_rule]
     assert (c.batch_size, c.optim.lr_rule, lr) == (fields["batch"], fields["lr_rule"], pytest.approx(want))
+
+
+def _shipped_configs():
+  """Every shipped config file at its default member, its debug member, and (the Qwen recipe) every model."""
+  for name in CONFIGS:
+    module = importlib.import_module(f"configs.{name}")
+    args = [f"model={m}" for m in module.MODELS] if name == "grpo_gsm8k_qwen" else [None, "debug", "moe"]
+    for arg in args:
+      yield f"{name}:{arg}", module.get_config(arg)
+
+
+def test_every_field_of_the_groups_dataclasses_is_in_every_shipped_config_and_settable():
+  """`--config.<group>.<field>=` reaches every field of the dataclass a group is read into."""
+  groups = dict(model=[ModelConfig], lora=[LoRAConfig], sampling=[Strategy, EngineSettings], eval=[EvalConfig])
+  for name, config in _shipped_configs():
+    for group, classes in groups.items():
+      fields = {f.name for cls in classes for f in dataclasses.fields(cls)}
+      assert set(config[group]) == fields, (name, group, fields ^ set(config[group]))
+  config = grpo_gsm8k_qwen.get_config("model=qwen3-30b-a3b")
+  apply_overrides(config, ["model.moe_chunk=8192", "model.attention=splash", "model.routing_replay=True",
+                           "model.mlp_only_layers=0, 47"])
+  cfg = ModelConfig.from_config(config.model)
+  assert (cfg.moe_chunk, cfg.attention, cfg.routing_replay, cfg.mlp_only_layers) == (8192, "splash", True, (0, 47))
+
+
+def test_model_fields_a_saved_config_lacks_are_filled_with_the_defaults_its_run_took():
+  """Runs written when the recipes left model fields out built them with ModelConfig's defaults, which are still
+  today's: a changed default keeps its old value in migrate.ADDED, and this test with it."""
+  filled = migrate.complete({"model": {}})["model"]
+  defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in filled}))
+  assert {"attention", "moe_chunk", "routing_replay", "mlp_only_layers", "dtype"} <= set(filled)
+  assert filled == {key: defaults[key] for key in filled}
+  old = json.loads(grpo_gsm8k_qwen.get_config("model=tiny_random").to_json())
+  for key in filled:
+    old["model"].pop(key)
+  old["model"].update(qkv_bias=True)  # The one of them the tiny model's entry listed.
+  new = json.loads(grpo_gsm8k_qwen.get_config("model=tiny_random").to_json())
+  assert rundir.config_diff(migrate.complete(old), new) == []
 
 
 def test_parse_arg_types_and_errors():

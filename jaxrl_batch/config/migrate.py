@@ -40,6 +40,21 @@ ADDED = {
     "rl.router_aux_loss_coef": 0.0,  # No load-balancing term in the loss.
     "task.max_failed_reward_steps": 0,  # Runs went on whatever their reward function did.
     "lora": dict(rank=0, alpha=16.0, targets=["q", "k", "v", "o", "gate", "up", "down"], dropout=0.0),  # Full RL.
+    # The model fields a recipe did not list (every one is listed since): its run took ModelConfig's defaults.
+    "model.dtype": "float32",
+    "model.param_dtype": "float32",
+    "model.qkv_bias": False,
+    "model.qk_norm": False,
+    "model.rope_scaling": None,
+    "model.num_experts": 0,
+    "model.num_experts_per_tok": 0,
+    "model.moe_d_ff": 0,
+    "model.norm_topk_prob": True,
+    "model.decoder_sparse_step": 1,
+    "model.mlp_only_layers": [],
+    "model.routing_replay": False,
+    "model.attention": "auto",
+    "model.moe_chunk": 16_384,
 }
 
 # Task field -> (the tasks whose group has it, the value of a run written before it); filled where task.name is one.
@@ -77,10 +92,11 @@ def check_current(config) -> None:
   tree = config.to_dict() if hasattr(config, "to_dict") else config
   missing = []
   for name in ADDED:
+    *groups, key = name.split(".")
     node = tree
-    for part in name.split("."):
-      node = node.get(part) if isinstance(node, dict) else None
-    if node is None:
+    for group in groups:
+      node = node.get(group) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or key not in node:  # Present, even as None (model.rope_scaling), is enough.
       missing.append(name)
   if missing:
     raise ValueError(f"The config lacks {', '.join(missing)}, fields every recipe has had since they were added. "
