@@ -95,8 +95,8 @@ def test_the_abstract_state_is_the_trainers():
   """Shapes, dtypes and shardings of the state `aot` compiles against equal those of the state the trainer builds:
   `tx.init` under the mesh (eagerly) on parameters placed as `create_sharded` places them; CPU devices."""
   config = grpo_gsm8k_qwen.get_config("model=tiny_random,mesh=1x-1x1")
-  exp = aot._experiment(config, jax.devices(), 64, 64)  # pylint: disable=protected-access
-  step = aot._Step.build(exp)  # pylint: disable=protected-access
+  exp = aot.abstract_experiment(config, jax.devices(), 64, 64)
+  step = aot.AbstractStep.build(exp)
   _, abstract = exp.abstract_params()
   params = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), abstract)
   with jax.set_mesh(exp.mesh):
@@ -145,7 +145,7 @@ def test_the_lora_update_compiles_for_one_v5e_chip_with_optimizer_state_for_the_
   config.model.num_layers = 1  # as _tiny_with's
   report = aot.check(config, "v5e:1x1", programs=("update",), prompt_len=32, response_len=32)
   assert report.program("update").status == "fits", report.program("update").verdict
-  step = aot._Step.build(aot._experiment(config, topology.devices, 32, 32))  # pylint: disable=protected-access
+  step = aot.AbstractStep.build(aot.abstract_experiment(config, topology.devices, 32, 32))
   fn, args, kwargs, _, _ = aot.BUILDERS["update"](step)
   with jax.set_mesh(step.exp.mesh):
     # The program's state argument, as lowered: the arguments check() compiled above (not compiled twice).
@@ -312,8 +312,8 @@ def test_continuous_engine_prefill_decode_and_eval_compile_for_v5e():
     p = report.program(name)
     assert p.status == "fits" and p.memory.argument_bytes > 0, (name, p.verdict)
   decode, prefill, evaluation = report.program("decode"), report.program("prefill"), report.program("eval")
-  assert decode.function == evaluation.function == "jaxrl_batch.sampling.continuous._chunk"
-  assert prefill.function == "jaxrl_batch.sampling.continuous._prefill"
+  assert decode.function == evaluation.function == "jaxrl_batch.sampling.continuous.decode_chunk"
+  assert prefill.function == "jaxrl_batch.sampling.continuous.prefill_prompts"
   assert "8 slots, a slot cache of 128 positions, 16 requests" in decode.shape, decode.shape
   assert "4 prompts x 32 tokens" in prefill.shape and "4 slots" in evaluation.shape, (prefill.shape, evaluation.shape)
   # The step's 16 requests (tokens, log-probs, budgets...) exist before its prefill: resident beside the optimizer.
@@ -341,7 +341,7 @@ def test_paged_engine_pool_and_reprefill_compile_for_one_v5e_chip():
   decode, reprefill = report.program("decode"), report.program("reprefill")
   assert decode.status == reprefill.status == "fits", (decode.verdict, reprefill.verdict)
   assert "a paged cache of 6 pages of 16 positions (+ 8 prompt pages" in decode.shape, decode.shape
-  assert reprefill.function == "jaxrl_batch.sampling.continuous._resume" and "31 tokens re-fed" in reprefill.shape
+  assert reprefill.function == "jaxrl_batch.sampling.continuous.resume_slots" and "31 tokens re-fed" in reprefill.shape
   config.sampling.pages = 30
   bigger = aot.check(config, "v5e:1x1", programs=("decode", "reprefill"), prompt_len=32, response_len=32)
   assert "no paged pool short" in bigger.program("reprefill").verdict  # 4 slots x 2 pages fit: no preemption.

@@ -87,30 +87,30 @@ def test_the_aot_check_compiles_the_engines_on_the_copy_with_the_master_resident
   config = grpo_gsm8k_qwen.get_config("model=tiny_moe,mesh=1x-1x1")
   config.model.update(dtype="bfloat16", param_dtype="float32")
   config.rl.kl_coef = 0.01
-  exp = aot._experiment(config, jax.devices(), 32, 32)  # pylint: disable=protected-access
-  step = aot._Step.build(exp)  # pylint: disable=protected-access
+  exp = aot.abstract_experiment(config, jax.devices(), 32, 32)
+  step = aot.AbstractStep.build(exp)
   master, sampler = step.state["params"], step.sampler_params
   for (path, m), s, r in zip(jax.tree_util.tree_leaves_with_path(master), jax.tree.leaves(sampler),
                              jax.tree.leaves(step.ref_params)):
     want = jnp.float32 if path[-1].key == "scale" else jnp.bfloat16
     assert s.dtype == r.dtype == want and s.sharding == m.sharding, path
-  master_bytes, sampler_bytes = (aot._per_chip_bytes(t) for t in (master, sampler))  # pylint: disable=protected-access
+  master_bytes, sampler_bytes = (aot.per_chip_bytes(t) for t in (master, sampler))
   assert 0.5 * master_bytes < sampler_bytes < 0.51 * master_bytes
   others = step.resident("opt_state", "ref")
   cast = [m for path, m in jax.tree_util.tree_leaves_with_path(master) if path[-1].key != "scale"]
   # The master leaves the copy casts stay resident; the norm scales are the copy's own arrays.
-  assert aot._rollout_resident(step) == others + aot._per_chip_bytes(cast) < others + master_bytes  # pylint: disable=protected-access
+  assert aot._rollout_resident(step) == others + aot.per_chip_bytes(cast) < others + master_bytes  # pylint: disable=protected-access
   config.model.dtype = "float32"  # Nothing to cast: the engines read the master weights themselves.
-  same = aot._Step.build(aot._experiment(config, jax.devices(), 32, 32))  # pylint: disable=protected-access
+  same = aot.AbstractStep.build(aot.abstract_experiment(config, jax.devices(), 32, 32))
   assert same.sampler_params is same.state["params"]
   assert aot._rollout_resident(same) == same.resident("opt_state", "ref")  # pylint: disable=protected-access
   # LoRA on a bfloat16 base: the copy casts only the float32 adapters, the base is shared, not resident twice.
   config.model.update(dtype="bfloat16", param_dtype="bfloat16")
   config.lora.rank = 4
-  lora_step = aot._Step.build(aot._experiment(config, jax.devices(), 32, 32))  # pylint: disable=protected-access
+  lora_step = aot.AbstractStep.build(aot.abstract_experiment(config, jax.devices(), 32, 32))
   adapters = [m for path, m in jax.tree_util.tree_leaves_with_path(lora_step.state["params"]) if lora.is_adapter(path)]
   assert lora_step.ref_params is None and {m.dtype for m in adapters} == {jnp.dtype(jnp.float32)}
-  assert aot._rollout_resident(lora_step) == lora_step.resident("opt_state") + aot._per_chip_bytes(adapters)  # pylint: disable=protected-access
+  assert aot._rollout_resident(lora_step) == lora_step.resident("opt_state") + aot.per_chip_bytes(adapters)  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
@@ -119,12 +119,12 @@ def test_a_run_trains_the_same_with_the_copy_as_with_the_master_weights(tmp_path
   rollouts decode from (and the reference policy is) the copy; every row equals the run's whose engines read the
   master weights."""
   seen = []
-  original = collector._sample  # pylint: disable=protected-access
+  original = collector.sample_round
 
   def spy(graphdef, params, *args, **kwargs):
     seen.append({x.dtype for x in jax.tree.leaves(params)})
     return original(graphdef, params, *args, **kwargs)
-  monkeypatch.setattr(collector, "_sample", spy)
+  monkeypatch.setattr(collector, "sample_round", spy)
   config = lambda: debug_config(str(tmp_path / "base"), **{"sft.steps": 150, "sample_budget": 96, "model.dtype":
                                                            "bfloat16", "rl.kl_coef": 0.05})
   trainer = Trainer(config(), str(tmp_path / "copy"), devices=ONE_DEVICE)

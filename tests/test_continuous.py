@@ -91,13 +91,13 @@ def test_pallas_backend_gives_the_xla_tokens(tiny):
 def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
   # The cache grows to the long request's bucket, then shrinks back once only short requests remain.
   sizes = []
-  chunk = continuous._chunk
+  chunk = continuous.decode_chunk
 
   def logged(graphdef, params, state, *args, **kwargs):
     sizes.append(state.cache.length)
     return chunk(graphdef, params, state, *args, **kwargs)
 
-  monkeypatch.setattr(continuous, "_chunk", logged)
+  monkeypatch.setattr(continuous, "decode_chunk", logged)
   # One long request (budget N) then 15 short ones (budget 2: one decode step each), 2 slots, chunk 1.
   prompt, valid, _ = _requests(3, prompts=16, group=1, width=5)
   budget = jnp.asarray([N] + [2] * 15, jnp.int32)
@@ -112,12 +112,12 @@ def test_the_cache_follows_the_longest_live_sequence(tiny, monkeypatch):
 def test_one_upload_and_one_download_per_chunk_and_no_recompiles(tiny):
   prompt, valid, budget = _requests(4)
   _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(3), 3)
-  compiled = continuous._chunk._cache_size()
+  compiled = continuous.decode_chunk._cache_size()
   transfer.reset()
   prompt, valid, budget = _requests(5)
   _, stats = _continuous(tiny, prompt, valid, budget, SAMPLED, _engine(3), 3)
   assert transfer.counts() == {"admit": stats.chunks, "slots": stats.chunks}
-  assert continuous._chunk._cache_size() == compiled
+  assert continuous.decode_chunk._cache_size() == compiled
 
 
 @pytest.mark.slow

@@ -83,13 +83,13 @@ def test_continuous_schedule_equals_the_real_engines_figures(tiny, monkeypatch, 
   budget = rng.integers(1, n + 1, 8)
   prompt = jnp.asarray(np.repeat(rng.integers(3, V, (4, P)), 2, axis=0), jnp.int32)
   lengths_chunks = []
-  original = continuous._chunk  # pylint: disable=protected-access
+  original = continuous.decode_chunk
 
   def spy(graphdef, params, state, *args, **kwargs):  # the cache each chunk's decode steps read
     lengths_chunks.append(state.cache.length)
     return original(graphdef, params, state, *args, **kwargs)
 
-  monkeypatch.setattr(continuous, "_chunk", spy)
+  monkeypatch.setattr(continuous, "decode_chunk", spy)
   engine = EngineSettings(engine="continuous", chunk=chunk, attention_backend="xla")
   rollout, stats = generate_continuous(*tiny, prompt, jnp.ones_like(prompt, bool), jax.random.key(0),
                                        max_new_tokens=n, eos_id=V, pad_id=PAD, sampling=Strategy(temperature=1.0),
@@ -110,8 +110,8 @@ def test_a_stopped_call_and_the_next_one_with_the_carried_sequences_equal_the_re
   budget = np.random.default_rng(5).integers(2, n + 1, 8)
   prompt = jnp.asarray(np.repeat(np.random.default_rng(5).integers(3, V, (4, P)), 2, axis=0), jnp.int32)
   lengths_chunks = []
-  original = continuous._chunk  # pylint: disable=protected-access
-  monkeypatch.setattr(continuous, "_chunk", lambda graphdef, params, state, *args, **kwargs: (
+  original = continuous.decode_chunk
+  monkeypatch.setattr(continuous, "decode_chunk", lambda graphdef, params, state, *args, **kwargs: (
       lengths_chunks.append(state.cache.length) or original(graphdef, params, state, *args, **kwargs)))
   engine = EngineSettings(engine="continuous", chunk=chunk, attention_backend="xla")
   requests = continuous.new_requests(8, group_size=2, max_new_tokens=n, pad_id=PAD, budget_B=jnp.asarray(budget))

@@ -105,21 +105,21 @@ def test_the_continuous_engine_lowers(model, platform, backend):
   carried-over sequences, at S = 2 slots, R = 4 requests, Q = 2 prompts."""
   graphdef, params = model
   s, r, q = 2, 4, 2
-  prefix = jax.eval_shape(lambda prompt, valid: continuous._prefill(graphdef, params, prompt, valid),
+  prefix = jax.eval_shape(lambda prompt, valid: continuous.prefill_prompts(graphdef, params, prompt, valid),
                           _sds((q, P), jnp.int32), _sds((q, P), jnp.bool_))
   requests = jax.eval_shape(lambda: continuous.new_requests(r, group_size=2, max_new_tokens=N, pad_id=0))
   state, outputs = jax.eval_shape(lambda p, q: continuous._start(p, q, slots=s, length=P + N - 1), prefix, requests)
   key = jax.eval_shape(lambda: jax.random.key(0))
 
   def chunk(params, state, outputs, prefix, requests, admit_S, key):
-    return continuous._chunk(graphdef, params, state, outputs, prefix, requests, admit_S, key, steps=4, eos_id=2,
+    return continuous.decode_chunk(graphdef, params, state, outputs, prefix, requests, admit_S, key, steps=4, eos_id=2,
                              sampling=Strategy(temperature=1.0), attention_backend=backend)
 
   text = _lowers(chunk, (params, state, outputs, prefix, requests, _sds((s,), jnp.int32), key), platform)
   assert (TRITON in text) == (backend == "pallas")
 
   def resume(params, state, outputs, prefix, requests, resume_S):
-    return continuous._resume(graphdef, params, state, outputs, prefix, requests, resume_S, fed=N - 1)
+    return continuous.resume_slots(graphdef, params, state, outputs, prefix, requests, resume_S, fed=N - 1)
 
   _lowers(resume, (params, state, outputs, prefix, requests, _sds((s,), jnp.int32)), platform)
 

@@ -69,7 +69,7 @@ def test_tensor_mesh_repeats_kv_heads_and_gives_the_single_device_rollout():
   graphdef, params = sharding.create_sharded(lambda: Transformer(CFG, nnx.Rngs(5)), mesh, sharding.DEFAULT_RULES)
   rows = sharding.batch_sharding(mesh, 2)
   with jax.set_mesh(mesh):
-    prefix = continuous._prefill(graphdef, params, prompt[::2], valid[::2])  # pylint: disable=protected-access
+    prefix = continuous.prefill_prompts(graphdef, params, prompt[::2], valid[::2])
     got, _ = generate_continuous(graphdef, params, jax.device_put(prompt, rows), jax.device_put(valid, rows),
                                  jax.random.key(0), row_sharding=lambda ndim: sharding.batch_sharding(mesh, ndim),
                                  **kwargs)
@@ -94,7 +94,7 @@ def test_roofline_bytes_count_each_chips_weights_and_heads(compile_only_tpu):
   with config.unlocked():
     config.sampling.slots = 8
   from jaxrl_batch.train import aot  # pylint: disable=import-outside-toplevel
-  step = aot._Step.build(aot._experiment(config, topo.devices, 16, 48))  # pylint: disable=protected-access
+  step = aot.AbstractStep.build(aot.abstract_experiment(config, topo.devices, 16, 48))
   cfg = step.exp.model_cfg  # 4 query heads, 2 kv heads of 16, 2 layers, tied embeddings
   weights, kv = decode_roofline.roofline_bytes(step, rows=8, length=63)
   itemsize = jnp.dtype(cfg.param_dtype).itemsize

@@ -180,7 +180,7 @@ def test_packed_micro_batches_hold_the_prompts_own_tokens_not_their_padding():
   8 rows, 2 micro-batches."""
   config = _config(16)
   config.micro_batch_size, config.micro_batch_tokens = 0, 512
-  exp = aot._experiment(config, jax.devices("cpu")[:1], PROMPT, 96)  # pylint: disable=protected-access
+  exp = aot.abstract_experiment(config, jax.devices("cpu")[:1], PROMPT, 96)
   assert exp.packing.length == 128 and exp.packing.rows == 4
   responses = np.full(16, 60)
   assert step_time._micro_batches(exp, responses, np.full(16, PROMPT), 16) == 4  # pylint: disable=protected-access

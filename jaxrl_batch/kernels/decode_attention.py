@@ -28,7 +28,7 @@ from jaxrl_batch.kernels.tpu_decode_attention import decode_attention_mosaic
 BACKENDS = ("pallas", "xla")
 # Triton's dot wants every operand dimension >= 16 and power-of-two tensor sizes, so the G query heads of a kv group
 # are zero-padded to max(16, next power of two) rows; interpret mode runs the same padded program.
-_MIN_QUERY_ROWS = 16
+MIN_QUERY_ROWS = 16
 _NEG_INF = -1e30
 
 
@@ -123,7 +123,7 @@ def decode_attention_pallas(q_BxNxH, k_BxKxHxS, v_BxKxSxH, lengths_B, starts_B=N
   if block_s > s:
     block_s = 1 << (s.bit_length() - 1)
   g = n // kv
-  rows = max(_MIN_QUERY_ROWS, pl.next_power_of_2(g))
+  rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(g))
   q_BxKxRxH = jnp.pad(q_BxNxH.reshape(b, kv, g, h), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
   k_spec = pl.BlockSpec((None, None, h, s), lambda i, j: (i, j, 0, 0))
   v_spec = pl.BlockSpec((None, None, s, h), lambda i, j: (i, j, 0, 0))

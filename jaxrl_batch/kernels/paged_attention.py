@@ -29,8 +29,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_batch.kernels import online_softmax
 from jaxrl_batch.kernels.decode_attention import (
-  _MIN_QUERY_ROWS,
   BACKENDS,
+  MIN_QUERY_ROWS,
   decode_attention_reference,
   decode_attention_xla,
 )
@@ -121,7 +121,7 @@ def paged_decode_attention_pallas(q_BxNxH, k_pages_PxKxHxC, v_pages_PxKxCxH, tab
   p, kv, c, _ = v_pages_PxKxCxH.shape
   m = table_BxM.shape[1]
   g = n // kv
-  rows = max(_MIN_QUERY_ROWS, pl.next_power_of_2(g))
+  rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(g))
   q_BxKxRxH = jnp.pad(q_BxNxH.reshape(b, kv, g, h), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
   k_spec = pl.BlockSpec((p, None, h, c), lambda i, j: (0, j, 0, 0))
   v_spec = pl.BlockSpec((p, None, c, h), lambda i, j: (0, j, 0, 0))

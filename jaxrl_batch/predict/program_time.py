@@ -200,7 +200,7 @@ class ProgramTime:
 def program_time(compiled, rates: Rates) -> ProgramTime:
   """The roofline of a compiled executable (`jax.jit(...).lower(...).compile()`) at `rates`. Raises ValueError
   where the compiler gives no flops or bytes (XLA's GPU executables report no cost analysis)."""
-  cost = aot._cost(compiled)  # pylint: disable=protected-access
+  cost = aot.cost_of(compiled)
   if cost.flops is None or cost.bytes_accessed is None:
     raise ValueError(f"{rates.name}: the compiler reports no cost analysis (flops, bytes accessed) for this program.")
   found = tuple(collectives(compiled.as_text()))

@@ -131,7 +131,7 @@ class _Timer:
     return self._timed[key]
 
 
-def _lowered(name: str, step: aot._Step):  # pylint: disable=protected-access
+def _lowered(name: str, step: aot.AbstractStep):
   """Program `name` of the step (`aot.BUILDERS`) lowered, or None where the step does not run it."""
   built = aot.BUILDERS[name](step)
   if isinstance(built, str):
@@ -196,7 +196,7 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   else:
     devices = tuple(jax.devices("cpu")) if topology == CPU else topologies.compile_only(topology, num_slices).devices
   timer = timer if timer is not None and timer.rates == rates else _Timer(rates)
-  exp = aot._experiment(config, devices, prompt_len, response_len)  # pylint: disable=protected-access
+  exp = aot.abstract_experiment(config, devices, prompt_len, response_len)
   m = exp.member
   lengths_DxB, prompts_DxB = _draws(exp, lengths_B, prompt_lengths_B)
   dp = sharding.data_parallel_size(exp.mesh)

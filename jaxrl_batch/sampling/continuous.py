@@ -30,7 +30,7 @@ from jaxrl_batch.sampling.scheduler import EVICT, Plan, Scheduler
 from jaxrl_batch.sampling.strategies import Strategy, choose
 
 
-class _Prefix(NamedTuple):
+class Prefix(NamedTuple):
   """The Q distinct prompts, prefilled: cache (Q rows of P slots; None once copied into a paged cache's prompt
   pages), logits_QxV float32 of each prompt's last position, length_Q its real tokens, the prompts themselves
   (prompt_QxP, valid_QxP) for re-prefills, and for an MoE model the experts of every prompt token, int16
@@ -56,7 +56,7 @@ class Requests(NamedTuple):
   lengths_R: jax.Array
 
 
-class _Slots(NamedTuple):
+class Slots(NamedTuple):
   """S sequences in flight. A free slot holds request R (out of range: its writes to the outputs are dropped)."""
   cache: KVCache | PagedKVCache
   request_S: jax.Array  # int32 request decoding in the slot
@@ -72,7 +72,7 @@ class KeptSlots(NamedTuple):
   device `state` the earlier call left (its cache holds the keys/values of the weights that wrote them, its counts
   and positions each sequence's place), `slot_R`, host int (R,), the slot of each request of the next call that
   continues in one (-1: none), and `p`, the prompt slots of the call that wrote the cache (calls must agree)."""
-  state: _Slots
+  state: Slots
   slot_R: np.ndarray
   p: int
 
@@ -115,7 +115,7 @@ def _row_keys(key, uid_S, index_S):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill(graphdef, params, prompt_QxP, valid_QxP) -> _Prefix:
+def prefill_prompts(graphdef, params, prompt_QxP, valid_QxP) -> Prefix:
   """The engine's prefill program: the Q prompts' keys/values and each one's last-position logits, in one batch
   (`train.aot` compiles it: programs `prefill` and `eval_fill`)."""
   model = nnx.merge(graphdef, params)
@@ -124,7 +124,7 @@ def _prefill(graphdef, params, prompt_QxP, valid_QxP) -> _Prefix:
   cache = KVCache.zeros(model.cfg, q, p)
   hidden_QxPxD, cache, routings = model.forward(prompt_QxP, positions_from_valid(valid_QxP),
                                                 cache_mask(valid_QxP, 0, p), cache, 0)
-  return _Prefix(cache, model.logits(hidden_QxPxD[:, -1:])[:, 0], valid_QxP.sum(axis=1).astype(jnp.int32),
+  return Prefix(cache, model.logits(hidden_QxPxD[:, -1:])[:, 0], valid_QxP.sum(axis=1).astype(jnp.int32),
                  prompt_QxP, valid_QxP, stacked_experts(routings, q, p))
 
 
@@ -147,8 +147,8 @@ def _pool(prefix_cache: KVCache, pages: int, page_size: int, slots: int) -> Page
   return PagedKVCache(k_layers, v_layers, jnp.full((slots, 1), k_layers[0].shape[0] - 1, jnp.int32))
 
 
-def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int, pages: int = 0, page_size: int = 0
-           ) -> tuple[_Slots, Outputs]:
+def _start(prefix: Prefix, requests: Requests, *, slots: int, length: int, pages: int = 0, page_size: int = 0
+           ) -> tuple[Slots, Outputs]:
   """Free slots with a cache of `length` slots (the prefill's layers, kv heads, head width and dtype), or with
   page_size > 0 a paged cache of `pages` growable pages (`_pool`; P must be a multiple of page_size), and fresh
   output buffers (the chunks donate them) holding the requests' tokens so far."""
@@ -160,11 +160,11 @@ def _start(prefix: _Prefix, requests: Requests, *, slots: int, length: int, page
   else:
     cache = KVCache(tuple(jnp.zeros((s, *k.shape[1:3], length), k.dtype) for k in like.k_layers),
                     tuple(jnp.zeros((s, v.shape[1], length, v.shape[3]), v.dtype) for v in like.v_layers))
-  state = _Slots(cache, jnp.full((s,), r, jnp.int32), zeros_S, zeros_S, zeros_S, zeros_S, jnp.zeros((s,), bool))
+  state = Slots(cache, jnp.full((s,), r, jnp.int32), zeros_S, zeros_S, zeros_S, zeros_S, jnp.zeros((s,), bool))
   return state, _fresh_outputs(prefix, requests)
 
 
-def _fresh_outputs(prefix: _Prefix, requests: Requests) -> Outputs:
+def _fresh_outputs(prefix: Prefix, requests: Requests) -> Outputs:
   """Output buffers (the chunks donate them) holding the requests' tokens so far."""
   experts = prefix.experts_QxPxLxK
   return Outputs(jnp.copy(requests.tokens_RxN), jnp.copy(requests.logprobs_RxN), jnp.copy(requests.lengths_R),
@@ -174,8 +174,8 @@ def _fresh_outputs(prefix: _Prefix, requests: Requests) -> Outputs:
 
 
 @functools.lru_cache(maxsize=None)
-def _starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0, page_size: int = 0,
-             moe: bool = False, heads: int = 0):
+def slots_starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0, page_size: int = 0,
+                  moe: bool = False, heads: int = 0):
   """`_start` jitted for a model of `layers` layers (`moe`: with MoE layers), its outputs' leading axes laid out
   by `row_sharding` (if given; a paged cache lives on one device and takes none) and the slot cache's `heads` (the
   prefix cache's, `model.kv_cache.cache_heads`) over `tensor` where they split (`model.kv_cache.layer_sharding`).
@@ -184,7 +184,7 @@ def _starter(slots: int, length: int, layers: int, row_sharding, pages: int = 0,
   if row_sharding is None or page_size:
     return jax.jit(start)
   cache = KVCache(*(tuple(layer_sharding(row_sharding(4), heads) for _ in range(layers)),) * 2)
-  state = _Slots(cache, *(row_sharding(1),) * 6)
+  state = Slots(cache, *(row_sharding(1),) * 6)
   return jax.jit(start, out_shardings=(state, _outputs_sharding(row_sharding, moe)))
 
 
@@ -194,7 +194,7 @@ def _outputs_sharding(row_sharding, moe: bool) -> Outputs:
 
 @functools.lru_cache(maxsize=None)
 def _outputs_starter(row_sharding, moe: bool):
-  """`_fresh_outputs` jitted, laid out as `_starter`'s: the outputs of a call whose slots are kept."""
+  """`_fresh_outputs` jitted, laid out as `slots_starter`'s: the outputs of a call whose slots are kept."""
   if row_sharding is None:
     return jax.jit(_fresh_outputs)
   return jax.jit(_fresh_outputs, out_shardings=_outputs_sharding(row_sharding, moe))
@@ -236,7 +236,7 @@ def _resized(cache: KVCache, length: int) -> KVCache:
   return KVCache(tuple(k[..., :length] for k in cache.k_layers), tuple(v[:, :, :length] for v in cache.v_layers))
 
 
-def _with_prefix(cache, prefix: _Prefix, rows_S, prompt_S):
+def _with_prefix(cache, prefix: Prefix, rows_S, prompt_S):
   """Slot rows `rows_S` (out of range: untouched) get the prefix of prompts `prompt_S` in slots [0, P). A paged
   cache is returned as it is: its rows name their prompt's pages (`_table`)."""
   if isinstance(cache, PagedKVCache):
@@ -249,14 +249,14 @@ def _with_prefix(cache, prefix: _Prefix, rows_S, prompt_S):
             for v, pv in zip(cache.v_layers, prefix.cache.v_layers)))
 
 
-def _table(cache: PagedKVCache, prefix: _Prefix, prompt_S, own_SxM) -> jax.Array:
+def _table(cache: PagedKVCache, prefix: Prefix, prompt_S, own_SxM) -> jax.Array:
   """The page table of slots decoding prompts `prompt_S` and holding own pages `own_SxM` (`pages.PageTable`): the
   prompt's W = P / C shared pages, then the own ones."""
   w = prefix.valid_QxP.shape[1] // cache.page_size
   return jnp.concatenate([prompt_S[:, None] * w + jnp.arange(w, dtype=jnp.int32)[None, :], own_SxM], axis=1)
 
 
-def _admit(state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key, *, eos_id: int,
+def _admit(state: Slots, outputs: Outputs, prefix: Prefix, requests: Requests, admit_S, key, *, eos_id: int,
            sampling: Strategy):
   """Slots with admit_S >= 0 take that new request: its prompt's prefix and its first token; slots with admit_S ==
   EVICT stop (preempted: their request keeps its tokens so far)."""
@@ -275,7 +275,7 @@ def _admit(state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests,
                     outputs.lengths_R.at[written_S].set(1, mode="drop"),
                     outputs.eos_R.at[written_S].set(token_S == eos_id, mode="drop"), outputs.experts_RxNxLxK)
   length_S = prefix.length_Q[prompt_S]
-  state = _Slots(cache, jnp.where(admitted_S, admit_S, state.request_S), jnp.where(admitted_S, token_S, state.token_S),
+  state = Slots(cache, jnp.where(admitted_S, admit_S, state.request_S), jnp.where(admitted_S, token_S, state.token_S),
                  jnp.where(admitted_S, 1, state.count_S), jnp.where(admitted_S, length_S, state.position_S),
                  jnp.where(admitted_S, p - length_S, state.start_S),
                  jnp.where(admitted_S, ~ended_S, state.live_S & (admit_S != EVICT)))
@@ -289,8 +289,8 @@ def fed_bucket(held: int, max_new_tokens: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "fed"))
-def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, resume_S,
-            own_SxM=None, *, fed: int) -> _Slots:
+def resume_slots(graphdef, params, state: Slots, outputs: Outputs, prefix: Prefix, requests: Requests, resume_S,
+                 own_SxM=None, *, fed: int) -> Slots:
   """Slots with resume_S >= 0 take that request, which holds count tokens in `outputs` (carried over from an
   earlier call, or preempted), re-prefilled under `params`: its prompt's prefix, then its first count - 1 tokens
   (count - 1 <= fed) written at slots P..P + fed - 1 (the last one chosen is fed by the next decode step). The
@@ -316,17 +316,17 @@ def _resume(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, 
     written = jax.tree.map(lambda new, old: jnp.where(resumed_S.reshape((s,) + (1,) * (new.ndim - 1)), new, old),
                            written, cache)
   last_S = jnp.take_along_axis(outputs.tokens_RxN[request_S], jnp.maximum(count_S - 1, 0)[:, None], axis=1)[:, 0]
-  return _Slots(written, jnp.where(resumed_S, resume_S, state.request_S),
+  return Slots(written, jnp.where(resumed_S, resume_S, state.request_S),
                 jnp.where(resumed_S, last_S, state.token_S), jnp.where(resumed_S, count_S, state.count_S),
                 jnp.where(resumed_S, length_S + count_S - 1, state.position_S),
                 jnp.where(resumed_S, p - length_S, state.start_S), state.live_S | resumed_S)
 
 
-def decode_token(model, slots: _Slots, uid_S, key, *, p: int, sampling: Strategy, backend: str):
+def decode_token(model, slots: Slots, uid_S, key, *, p: int, sampling: Strategy, backend: str):
   """The engine's work per token: the model's cached one-token step over each live slot's span (a finished or free
   slot writes the cache's idle slot and reads nothing), then the token choice by `sampling`, each row's key folded
   from its request's `uid_S` and its count. `p`: the cache's prompt slots; `backend`: resolved. Returns (cache,
-  token_S, logp_S, experts_Sx1xLxK). `_chunk` runs it per token and `train.decode_roofline` compiles it alone."""
+  token_S, logp_S, experts_Sx1xLxK). `decode_chunk` runs it per token and `train.decode_roofline` compiles it alone."""
   slot_S = jnp.where(slots.live_S, p + slots.count_S - 1, slots.cache.idle_slot)
   span = DecodeSpan(slots.start_S, jnp.where(slots.live_S, slot_S + 1, 0))
   logits_Sx1xV, cache, experts_Sx1xLxK = model.step(slots.token_S[:, None], slots.position_S[:, None], span,
@@ -337,8 +337,8 @@ def decode_token(model, slots: _Slots, uid_S, key, *, p: int, sampling: Strategy
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "eos_id", "sampling", "attention_backend"),
                    donate_argnums=(2, 3))
-def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, requests: Requests, admit_S, key,
-           own_SxM=None, *, steps: int, eos_id: int, sampling: Strategy, attention_backend: str):
+def decode_chunk(graphdef, params, state: Slots, outputs: Outputs, prefix: Prefix, requests: Requests, admit_S, key,
+                 own_SxM=None, *, steps: int, eos_id: int, sampling: Strategy, attention_backend: str):
   """Admits `admit_S` (a paged cache's slots then hold own pages `own_SxM`), then runs up to `steps` decode steps
   of the live slots, choosing tokens by `sampling` (`attention_backend` as `EngineSettings`'). Returns (state,
   outputs, steps run, tokens decoded), the last two int32 scalars. The program the host runs per chunk
@@ -368,7 +368,7 @@ def _chunk(graphdef, params, state: _Slots, outputs: Outputs, prefix: _Prefix, r
                   None if experts_Sx1xLxK is None else
                   out.experts_RxNxLxK.at[written_S, c.count_S - 1].set(experts_Sx1xLxK[:, 0], mode="drop"))
     decoded = decoded + c.live_S.sum(dtype=jnp.int32)
-    c = _Slots(cache, c.request_S, token_S, count_S, c.position_S + c.live_S, c.start_S, c.live_S & ~ended_S)
+    c = Slots(cache, c.request_S, token_S, count_S, c.position_S + c.live_S, c.start_S, c.live_S & ~ended_S)
     return i + 1, decoded, c, out
 
   zero = jnp.array(0, jnp.int32)
@@ -431,7 +431,7 @@ def _page_table(engine: EngineSettings, slots: int, prompts: int, prompt_len: in
 
 
 @functools.partial(jax.jit, static_argnames=("r",), donate_argnums=(0,))
-def _renamed(state: _Slots, request_S, r: int) -> _Slots:
+def _renamed(state: Slots, request_S, r: int) -> Slots:
   """Kept slots under this call's request rows `request_S` (r: none, the slot is free and stops)."""
   return state._replace(request_S=request_S, live_S=state.live_S & (request_S < r))
 
@@ -460,11 +460,11 @@ class _Run:
                          "the rollout over one device (sampling.page_size = 0 keeps the slot cache, which shards).")
       prompt_QxP, prompt_valid_QxP = _left_padded(prompt_QxP, prompt_valid_QxP, pad=-prompt_QxP.shape[1] % c)
     self.p = prompt_QxP.shape[1]
-    self.prefix = _prefill(graphdef, params, prompt_QxP, prompt_valid_QxP)
+    self.prefix = prefill_prompts(graphdef, params, prompt_QxP, prompt_valid_QxP)
     layers, moe = len(self.prefix.cache.k_layers), self.prefix.experts_QxPxLxK is not None
     if c:
       self.pages = _page_table(engine, slots, prompt_QxP.shape[0], self.p, self.n)
-      self.state, self.outputs = _starter(slots, 0, layers, None, self.pages.pages, c, moe)(self.prefix, requests)
+      self.state, self.outputs = slots_starter(slots, 0, layers, None, self.pages.pages, c, moe)(self.prefix, requests)
       self.prefix = self.prefix._replace(cache=None)
     elif kept is not None:
       if kept.p != self.p or kept.state.live_S.shape[0] != slots:
@@ -479,7 +479,7 @@ class _Run:
     else:
       self.pages, self.buckets = None, cache_buckets(self.p, self.n, engine.backend)
       heads = self.prefix.cache.k_layers[0].shape[1]
-      start = _starter(slots, self.buckets[0], layers, row_sharding, moe=moe, heads=heads)
+      start = slots_starter(slots, self.buckets[0], layers, row_sharding, moe=moe, heads=heads)
       self.state, self.outputs = start(self.prefix, requests)
 
   def _laid_out(self, plan: Plan, fed: int):
@@ -506,11 +506,11 @@ class _Run:
       self.state, self.renamed_S = _renamed(self.state, renamed_S, self.requests.budget_R.shape[0]), None
     if plan.resuming:
       t0 = time.perf_counter()
-      self.state = jax.block_until_ready(_resume(self.graphdef, self.params, self.state, self.outputs, self.prefix,
+      self.state = jax.block_until_ready(resume_slots(self.graphdef, self.params, self.state, self.outputs, self.prefix,
                                                  self.requests, resume_S, own_SxM, fed=fed))
       self.reprefill_s += time.perf_counter() - t0
       self.reprefilled += int((plan.resume_S >= 0).sum())
-    self.state, self.outputs, steps, tokens = _chunk(
+    self.state, self.outputs, steps, tokens = decode_chunk(
         self.graphdef, self.params, self.state, self.outputs, self.prefix, self.requests, admit_S, self.rng, own_SxM,
         steps=self.engine.chunk, eos_id=self.eos_id, sampling=self.sampling,
         attention_backend=self.engine.attention_backend)

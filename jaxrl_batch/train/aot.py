@@ -9,15 +9,15 @@ calls, with the static arguments it passes:
              old values.
   reference  the same function on the frozen reference policy: its log-probs (rl.kl_coef > 0).
   rollout    the static engine's `sampling.generate` (prefill and the whole decode loop), as
-             `train.collector._sample` runs it for one block of all rows.
-  prefill    the continuous engine's `sampling.continuous._prefill`: the step's Q prompts (one per group; with
+             `train.collector.sample_round` runs it for one block of all rows.
+  prefill    the continuous engine's `sampling.continuous.prefill_prompts`: the step's Q prompts (one per group; with
              rollout.partial the call's prompt rows, `train.partial.capacity`) into the prefix store.
-  decode     the continuous engine's `sampling.continuous._chunk`: admission and `sampling.chunk` decode
+  decode     the continuous engine's `sampling.continuous.decode_chunk`: admission and `sampling.chunk` decode
              steps of `slots` sequences, its KV cache at the longest length (the slot cache's last bucket), or with
              sampling.page_size > 0 the paged cache's pool of `sampling.pages` pages.
-  reprefill  `sampling.continuous._resume`: sequences carried over (rollout.partial) or preempted (a paged pool
+  reprefill  `sampling.continuous.resume_slots`: sequences carried over (rollout.partial) or preempted (a paged pool
              smaller than every slot at the longest length) re-prefilled under new weights, at the longest bucket.
-  eval_fill  the evaluation's prefill (`continuous._prefill` of the held-out prompts; continuous engine).
+  eval_fill  the evaluation's prefill (`continuous.prefill_prompts` of the held-out prompts; continuous engine).
   eval       the evaluation's greedy pass (`train.evaluation.evaluate`): the static engine's `generate` of its
              rows (or blocks of `eval.slots` per chip), or the continuous engine's `decode_chunk` on `eval.slots`.
   publish    the asynchronous run's weight publish (rl.max_staleness > 0, colocated): the policy copied in the
@@ -26,7 +26,8 @@ calls, with the static arguments it passes:
 There is no copy of a program here: when the trainer's program changes, the check compiles the new one. A program
 the config's step does not run is reported as skipped, with the reason (also a rollout mesh of its own and the
 generator process: not compiled yet). The engine's inputs are laid out as the trainer's are: the prefix and the
-slots come from compiling `continuous._prefill` and `continuous._starter` and reading their output shardings.
+slots come from compiling `continuous.prefill_prompts` and `continuous.slots_starter` and reading their output
+shardings.
 
 Per program and per chip: argument, output, alias and temporary bytes (`memory_analysis`), peak = arguments +
 outputs - aliases + temporaries, and resident = what the step holds in HBM meanwhile that is not an argument (the
@@ -75,13 +76,15 @@ from jaxrl_batch.train.setup import Experiment, packing_for
 PROGRAMS = ("update", "score", "reference", "rollout", "prefill", "decode", "reprefill", "eval_fill", "eval",
             "publish")
 # The function each program compiles (the rollout's: `sampling.generate` itself when it runs in blocks of slots; the
-# eval's: `continuous._chunk` with the continuous engine). The publish is no program: the copy of its bytes.
+# eval's: `continuous.decode_chunk` with the continuous engine). The publish is no program: the copy of its bytes.
 FUNCTIONS = dict(update="jaxrl_batch.rl.update.update", score="jaxrl_batch.rl.forward.logprobs_and_values",
-                 reference="jaxrl_batch.rl.forward.logprobs_and_values", rollout="jaxrl_batch.train.collector._sample",
-                 prefill="jaxrl_batch.sampling.continuous._prefill",
-                 decode="jaxrl_batch.sampling.continuous._chunk",
-                 reprefill="jaxrl_batch.sampling.continuous._resume",
-                 eval_fill="jaxrl_batch.sampling.continuous._prefill", eval="jaxrl_batch.sampling.generate.generate",
+                 reference="jaxrl_batch.rl.forward.logprobs_and_values",
+                 rollout="jaxrl_batch.train.collector.sample_round",
+                 prefill="jaxrl_batch.sampling.continuous.prefill_prompts",
+                 decode="jaxrl_batch.sampling.continuous.decode_chunk",
+                 reprefill="jaxrl_batch.sampling.continuous.resume_slots",
+                 eval_fill="jaxrl_batch.sampling.continuous.prefill_prompts",
+                 eval="jaxrl_batch.sampling.generate.generate",
                  publish="jaxrl_batch.train.async_collector.AsyncCollector._publish")
 SCHEMA_VERSION = 1
 GIB = 2**30
@@ -174,7 +177,7 @@ class Report:
     return "\n".join(lines)
 
 
-def _per_chip_bytes(tree) -> int:
+def per_chip_bytes(tree) -> int:
   """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
   leaves = [x for x in jax.tree.leaves(tree) if x is not None]
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
@@ -184,7 +187,7 @@ def _struct(shape, dtype, sharding_):
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding_)  # dtype as given: PRNG key types too
 
 
-def _experiment(config: ml_collections.ConfigDict, devices, prompt_len: int, response_len: int) -> Experiment:
+def abstract_experiment(config: ml_collections.ConfigDict, devices, prompt_len: int, response_len: int) -> Experiment:
   """The run's `Experiment` on `devices` (its scorer None). With both lengths given, no tokenizer or task data is read
   (tokenizer and task None too); otherwise `Experiment.create` computes the lengths as the trainer does, and a given
   one replaces its value."""
@@ -234,17 +237,17 @@ def _abstract_opt_state(tx: optax.GradientTransformation, params, mesh):
 
 
 @dataclasses.dataclass
-class _Step:
+class AbstractStep:
   """The abstract pieces of one RL step (what `train.trainer.Trainer` holds), as sharded ShapeDtypeStructs."""
   exp: Experiment
   models: forward.ModelDefs
   state: dict
   ref_params: dict | None
   sampler_params: dict  # The policy as the engines read it (`model.compute_copy`): the master weights or a copy.
-  memo: dict = dataclasses.field(default_factory=dict)  # The engine's inputs, laid out once (`_engine_inputs`).
+  memo: dict = dataclasses.field(default_factory=dict)  # The engine's inputs, laid out once (`engine_inputs`).
 
   @classmethod
-  def build(cls, exp: Experiment) -> "_Step":
+  def build(cls, exp: Experiment) -> "AbstractStep":
     m, config = exp.member, exp.config
     graphdef, params = exp.abstract_params(adapters=True)
     actor = make_optimizer(config.optim, m.batch_size, m.sample_budget, m.updates_per_step, (m.actor_lr, m.actor_adam))
@@ -286,10 +289,10 @@ class _Step:
   def resident(self, *names) -> int:
     """Per-chip bytes of the named parts of the step's state ('ref' = the reference policy)."""
     parts = dict(self.state, ref=self.ref_params)
-    return sum(_per_chip_bytes(parts.get(name)) for name in names)
+    return sum(per_chip_bytes(parts.get(name)) for name in names)
 
 
-def _program_update(step: _Step):
+def _program_update(step: AbstractStep):
   exp, m = step.exp, step.exp.member
   algo = m.algo
   batch = step.train_batch(m.mini_batch_size)
@@ -298,7 +301,7 @@ def _program_update(step: _Step):
   kl_coef = _struct((), jnp.float32, sharding.replicated(exp.mesh))
   resident = step.resident("ref") + _async_copy(step) + _kept_slots(step)
   if algo.updates_per_step > 1:  # The step's whole batch stays while its mini-batches are trained on.
-    resident += _per_chip_bytes(step.train_batch(m.batch_size))
+    resident += per_chip_bytes(step.train_batch(m.batch_size))
   if exp.packing is None:
     shape = (f"mini-batch {m.mini_batch_size} x {step.length} tokens in {m.num_micro} micro-batch(es) of "
              f"{m.micro_batch_size}")
@@ -310,7 +313,7 @@ def _program_update(step: _Step):
   return update.update, args, kwargs, resident, shape
 
 
-def _program_score(step: _Step):
+def _program_score(step: AbstractStep):
   exp, m = step.exp, step.exp.member
   algo = m.algo
   need_policy = algo.old_logp == "trainer"
@@ -325,7 +328,7 @@ def _program_score(step: _Step):
   return forward.logprobs_and_values, args, kwargs, resident, _forward_shape(step, b)
 
 
-def _program_reference(step: _Step):
+def _program_reference(step: AbstractStep):
   exp, m = step.exp, step.exp.member
   if not m.algo.use_kl:
     return "rl.kl_coef=0: no KL term, no reference policy"
@@ -341,14 +344,14 @@ def _program_reference(step: _Step):
   return forward.logprobs_and_values, args, kwargs, resident, _forward_shape(step, b)
 
 
-def _forward_shape(step: _Step, rows: int) -> str:
+def _forward_shape(step: AbstractStep, rows: int) -> str:
   packing, num_micro = step.exp.packing, step.exp.member.score_num_micro
   if packing is None:
     return f"batch {rows} x {step.length} tokens in {num_micro} forward(s) of {rows // num_micro}"
   return f"batch {rows} x {step.length} tokens packed, {packing.rows} rows of {packing.length} per micro-batch"
 
 
-def _program_rollout(step: _Step):
+def _program_rollout(step: AbstractStep):
   exp, m = step.exp, step.exp.member
   engine, config = exp.engine, exp.config
   elsewhere = _generator_elsewhere(config)
@@ -365,7 +368,7 @@ def _program_rollout(step: _Step):
                 group_size=m.group_size, attention_backend=engine.attention_backend)
   prompts = (step.rows((rows, exp.prompt_len), jnp.int32), step.rows((rows, exp.prompt_len), bool))
   if rows == m.batch_size:  # One block of all rows: the collector's own program.
-    fn = collector._sample  # pylint: disable=protected-access
+    fn = collector.sample_round
     key = _struct((3,), jnp.int32, sharding.replicated(exp.mesh))  # `streams.sampling_key_data`
   else:  # Blocks of `slots` rows, each a call of `generate` (`sampling.engine.rollout`).
     fn, key = generate, _struct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding.replicated(exp.mesh))
@@ -392,7 +395,7 @@ def _generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
   return None
 
 
-def _async_copy(step: _Step) -> int:
+def _async_copy(step: AbstractStep) -> int:
   """Per-chip bytes of the policy's second copy in an asynchronous colocated run (rl.max_staleness > 0): the
   generator decodes with the policy published after an update (`AsyncCollector._publish`, in the compute dtype)
   while the learner holds its own; 0 otherwise. Steps queued and not started yet hold theirs too (up to
@@ -400,21 +403,21 @@ def _async_copy(step: _Step) -> int:
   config = step.exp.config
   if step.exp.member.algo.max_staleness < 1 or _generator_elsewhere(config) or _partial(config):
     return 0
-  return _per_chip_bytes(step.sampler_params)
+  return per_chip_bytes(step.sampler_params)
 
 
-def _kept_slots(step: _Step) -> int:
+def _kept_slots(step: AbstractStep) -> int:
   """Per-chip bytes of the engine's slots that partial rollouts keep across the update (rollout.carry_kv: the slot
   cache and its counters stay on the chips while the learner scores and trains, `continuous.KeptSlots`); 0 without
   carry_kv, or where the engine's inputs do not lay out (its programs then say why)."""
   config = step.exp.config
   if not (_partial(config) and config.rollout.carry_kv):
     return 0
-  inputs = _engine_inputs(step, False)
-  return 0 if isinstance(inputs, str) else _per_chip_bytes(inputs["state"])
+  inputs = engine_inputs(step, False)
+  return 0 if isinstance(inputs, str) else per_chip_bytes(inputs["state"])
 
 
-def _learner_policy(step: _Step) -> int:
+def _learner_policy(step: AbstractStep) -> int:
   """Per-chip bytes of the learner's policy resident while the engines decode, beside the policy they read: the whole
   policy when they read an asynchronous run's published copy; with a compute-dtype copy, the master leaves it casts
   (the others are the copy's own arrays: with LoRA's bfloat16 base, all but the adapters); 0 when they read it."""
@@ -423,11 +426,11 @@ def _learner_policy(step: _Step) -> int:
   if step.sampler_params is step.state["params"]:
     return 0
   dtype = step.exp.model_cfg.compute_dtype
-  return _per_chip_bytes([x for path, x in jax.tree_util.tree_leaves_with_path(step.state["params"])
+  return per_chip_bytes([x for path, x in jax.tree_util.tree_leaves_with_path(step.state["params"])
                           if is_cast(path, x, dtype)])
 
 
-def _rollout_resident(step: _Step) -> int:
+def _rollout_resident(step: AbstractStep) -> int:
   """What the learner leaves in HBM while the policy decodes (a rollout, or the evaluation): its state but the
   policy the engines read."""
   return step.resident("opt_state", "critic", "critic_opt_state", "ref") + _learner_policy(step)
@@ -439,11 +442,11 @@ def _stop_ids(exp: Experiment) -> tuple[int, int]:
 
 
 def _key(exp: Experiment):
-  """A PRNG key, replicated (`collector._sampling_key`'s output; the evaluation's fixed keys)."""
+  """A PRNG key, replicated (`collector.sampling_key`'s output; the evaluation's fixed keys)."""
   return _struct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding.replicated(exp.mesh))
 
 
-def _eval_rows(step: _Step) -> int | str:
+def _eval_rows(step: AbstractStep) -> int | str:
   """Rows of the evaluation's greedy pass: the held-out problems (the task's; without its data, task.num_eval, an
   upper bound with task.eval_path), padded to the data-parallel size as `evaluation.evaluate` pads them; or why
   they are unknown."""
@@ -474,7 +477,7 @@ class _Call:
   carried: bool
 
 
-def _engine_call(step: _Step, evaluating: bool) -> _Call | str:
+def _engine_call(step: AbstractStep, evaluating: bool) -> _Call | str:
   """The engine's call for the step's rollout (`Collector`, `PartialCollector`) or, `evaluating`, for the
   evaluation's greedy pass; or why the continuous engine does not run it on this mesh."""
   exp, m, config = step.exp, step.exp.member, step.exp.config
@@ -509,7 +512,7 @@ def _engine_call(step: _Step, evaluating: bool) -> _Call | str:
   return call
 
 
-def _laid_out(step: _Step, fn, *args, **kwargs):
+def _laid_out(step: AbstractStep, fn, *args, **kwargs):
   """The outputs of jitted `fn` on `args` as the trainer holds them: sharded structs with the shapes, dtypes and
   shardings of its compiled program's outputs; or, where it does not compile, a str saying so."""
   try:
@@ -521,7 +524,7 @@ def _laid_out(step: _Step, fn, *args, **kwargs):
   return jax.tree.map(lambda x: _struct(x.shape, x.dtype, x.sharding), out)
 
 
-def _engine_prompts(step: _Step, call: _Call):
+def _engine_prompts(step: AbstractStep, call: _Call):
   """(prompt_QxP, valid_QxP, requests) as `continuous.decode` receives them; a str where they cannot be laid out."""
   exp, c = step.exp, call.engine.page_size
   p = exp.prompt_len + (-exp.prompt_len % c if c else 0)  # A paged cache's prompts are left-padded to whole pages.
@@ -542,15 +545,11 @@ def _engine_prompts(step: _Step, call: _Call):
   return _struct((call.prompts, p), jnp.int32, layout), _struct((call.prompts, p), bool, layout), requests
 
 
-# pylint: disable=protected-access
-# The continuous engine's programs are private to `sampling.continuous` (`tests/test_export.py` exports them too).
-
-
-def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
+def engine_inputs(step: AbstractStep, evaluating: bool) -> dict | str:
   """Every argument of the engine's chunk, laid out as the trainer's are (the prefix by compiling
-  `continuous._prefill`, the slots and outputs by compiling `continuous._starter`), with the cache at its longest:
-  the slot cache's last bucket, or the paged cache's whole pool and every slot's longest page row. Memoised on the
-  step; a str where the engine does not run or its inputs do not compile."""
+  `continuous.prefill_prompts`, the slots and outputs by compiling `continuous.slots_starter`), with the cache at
+  its longest: the slot cache's last bucket, or the paged cache's whole pool and every slot's longest page row.
+  Memoised on the step; a str where the engine does not run or its inputs do not compile."""
   key = ("engine", evaluating)
   if key in step.memo:
     return step.memo[key]
@@ -561,7 +560,7 @@ def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
     return prompts
   exp, engine = step.exp, call.engine
   prompt_QxP, valid_QxP, requests = prompts
-  prefix = _laid_out(step, continuous._prefill, step.models.graphdef, step.sampler_params, prompt_QxP, valid_QxP)
+  prefix = _laid_out(step, continuous.prefill_prompts, step.models.graphdef, step.sampler_params, prompt_QxP, valid_QxP)
   if isinstance(prefix, str):
     step.memo[key] = prefix
     return prefix
@@ -573,12 +572,12 @@ def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
     if pool < own:
       step.memo[key] = f"sampling.pages={pool} cannot hold one sequence of {n - 1} tokens: the engine refuses it"
       return step.memo[key]
-    start = continuous._starter(s, 0, layers, None, pool, c, moe)
+    start = continuous.slots_starter(s, 0, layers, None, pool, c, moe)
   else:
     own = pool = 0
     with jax.set_mesh(exp.mesh):  # "auto" stands for the backend of the mesh's chips.
       length = cache_buckets(p, n, engine.backend)[-1]
-    start = continuous._starter(s, length, layers, functools.partial(sharding.batch_sharding, exp.mesh), moe=moe,
+    start = continuous.slots_starter(s, length, layers, functools.partial(sharding.batch_sharding, exp.mesh), moe=moe,
                                 heads=prefix.cache.k_layers[0].shape[1])
   started = _laid_out(step, start, prefix, requests)
   if isinstance(started, str):
@@ -593,7 +592,7 @@ def _engine_inputs(step: _Step, evaluating: bool) -> dict | str:
   return step.memo[key]
 
 
-def _engine_shape(step: _Step, inputs: dict) -> str:
+def _engine_shape(step: AbstractStep, inputs: dict) -> str:
   call, p = inputs["call"], step.exp.prompt_len
   c = call.engine.page_size
   if c:
@@ -605,21 +604,21 @@ def _engine_shape(step: _Step, inputs: dict) -> str:
           f"tokens, chunks of {call.engine.chunk} decode steps")
 
 
-def _program_prefill(step: _Step, evaluating: bool = False):
+def _program_prefill(step: AbstractStep, evaluating: bool = False):
   call = _engine_call(step, evaluating)
   prompts = call if isinstance(call, str) else _engine_prompts(step, call)
   if isinstance(prompts, str):
     return prompts
   prompt_QxP, valid_QxP, requests = prompts
   args = (step.models.graphdef, step.sampler_params, prompt_QxP, valid_QxP)
-  resident = _rollout_resident(step) + _per_chip_bytes(requests)  # The requests exist before the prefill.
+  resident = _rollout_resident(step) + per_chip_bytes(requests)  # The requests exist before the prefill.
   shape = (f"{call.what}: {call.prompts} prompts x {prompt_QxP.shape[1]} tokens, for {call.requests} requests on "
            f"{call.slots} slots")
-  return continuous._prefill, args, {}, resident, shape
+  return continuous.prefill_prompts, args, {}, resident, shape
 
 
-def _program_decode(step: _Step, evaluating: bool = False):
-  inputs = _engine_inputs(step, evaluating)
+def _program_decode(step: AbstractStep, evaluating: bool = False):
+  inputs = engine_inputs(step, evaluating)
   if isinstance(inputs, str):
     return inputs
   call = inputs["call"]
@@ -627,10 +626,10 @@ def _program_decode(step: _Step, evaluating: bool = False):
           inputs["requests"], inputs["slots_S"], inputs["key"], inputs["own_SxM"])
   kwargs = dict(steps=call.engine.chunk, eos_id=_stop_ids(step.exp)[0], sampling=call.sampling,
                 attention_backend=call.engine.attention_backend)
-  return continuous._chunk, args, kwargs, _rollout_resident(step), _engine_shape(step, inputs)
+  return continuous.decode_chunk, args, kwargs, _rollout_resident(step), _engine_shape(step, inputs)
 
 
-def _program_reprefill(step: _Step):
+def _program_reprefill(step: AbstractStep):
   exp = step.exp
   call = _engine_call(step, False)
   if isinstance(call, str):
@@ -642,7 +641,7 @@ def _program_reprefill(step: _Step):
             "slot at the longest length (sampling.pages)")
   if n < 2:
     return "a response budget of one token: no sequence is ever carried"
-  inputs = _engine_inputs(step, False)
+  inputs = engine_inputs(step, False)
   if isinstance(inputs, str):
     return inputs
   fed = continuous.fed_bucket(n - 1, n)  # The longest re-prefill: a sequence one token short of the budget.
@@ -651,17 +650,15 @@ def _program_reprefill(step: _Step):
   shape = f"{_engine_shape(step, inputs)}; {fed} tokens re-fed per slot"
   if call.carried and not short and exp.config.rollout.carry_kv:  # Carried sequences keep their caches.
     shape += "; rollout.carry_kv: runs on resume only"
-  return continuous._resume, args, dict(fed=fed), _rollout_resident(step), shape
+  return continuous.resume_slots, args, dict(fed=fed), _rollout_resident(step), shape
 
 
-# pylint: enable=protected-access
 
-
-def _program_eval_fill(step: _Step):
+def _program_eval_fill(step: AbstractStep):
   return _program_prefill(step, evaluating=True)
 
 
-def _program_eval(step: _Step):
+def _program_eval(step: AbstractStep):
   exp = step.exp
   rows = _eval_rows(step)
   if isinstance(rows, str):
@@ -701,7 +698,7 @@ class _Copy:
                                  alias_size_in_bytes=0, temp_size_in_bytes=0)
 
 
-def _program_publish(step: _Step):
+def _program_publish(step: AbstractStep):
   exp, config = step.exp, step.exp.config
   if exp.member.algo.max_staleness < 1:
     return "rl.max_staleness=0: generation uses the learner's own policy, nothing is published"
@@ -710,7 +707,7 @@ def _program_publish(step: _Step):
   elsewhere = _generator_elsewhere(config)
   if elsewhere:
     return elsewhere
-  params, copy = _per_chip_bytes(step.state["params"]), _per_chip_bytes(step.sampler_params)
+  params, copy = per_chip_bytes(step.state["params"]), per_chip_bytes(step.sampler_params)
   shape = (f"the policy's {exp.model_cfg.num_params() / 1e6:.1f}M parameters ({params / GIB:.3f} GiB per chip) copied "
            f"on the learner's chips in {exp.model_cfg.dtype} ({copy / GIB:.3f} GiB per chip)")
   how = ("`AsyncCollector._publish` copies each parameter in the compute dtype (`model.compute_copy`: `astype`, or "
@@ -744,7 +741,7 @@ def parse_oom(message: str) -> tuple[int, int] | None:
   return None
 
 
-def _cost(compiled) -> Cost:
+def cost_of(compiled) -> Cost:
   # GPU executables give None: reported as such (`check`'s docstring says why not XLA's generic HLO cost analysis).
   costs = compiled.cost_analysis()
   if isinstance(costs, list | tuple):
@@ -806,7 +803,7 @@ def _memory(stats, resident: int, hbm: int) -> Memory:
   return Memory(args, out, alias, temp, peak, resident, peak + resident, hbm, 1.0 - (peak + resident) / hbm)
 
 
-def _compile_one(name: str, step: _Step, hbm: int) -> ProgramReport:
+def _compile_one(name: str, step: AbstractStep, hbm: int) -> ProgramReport:
   built = BUILDERS[name](step)
   report = ProgramReport(name, FUNCTIONS[name], "skipped")
   if isinstance(built, str):
@@ -840,7 +837,7 @@ def _compile_one(name: str, step: _Step, hbm: int) -> ProgramReport:
     return report
   report.compile_seconds = time.perf_counter() - start
   report.memory = _memory(compiled.memory_analysis(), resident, hbm)
-  report.cost = _cost(compiled)
+  report.cost = cost_of(compiled)
   return _judge(report, name, step.exp, hbm)
 
 
@@ -878,8 +875,8 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
   if unknown:
     raise ValueError(f"Unknown programs {unknown}; choose among {list(PROGRAMS)}.")
   topo = topologies.compile_only(topology, num_slices)
-  exp = _experiment(config, topo.devices, prompt_len, response_len)
-  step = _Step.build(exp)
+  exp = abstract_experiment(config, topo.devices, prompt_len, response_len)
+  step = AbstractStep.build(exp)
   results = []
   for name in programs:
     results.append(_compile_one(name, step, topo.hbm_bytes))
@@ -900,6 +897,6 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
              num_micro=m.num_micro, score_num_micro=m.score_num_micro, group_size=m.group_size,
              prompt_len=exp.prompt_len, response_len=exp.response_len,
              micro_batch_tokens=exp.config.micro_batch_tokens,
-             engine=exp.engine.engine, slots=exp.engine.slots, state_bytes_per_chip=_per_chip_bytes(step.state))
+             engine=exp.engine.engine, slots=exp.engine.slots, state_bytes_per_chip=per_chip_bytes(step.state))
   mesh = {k: int(v) for k, v in exp.mesh.shape.items()}
   return Report(topology_json, mesh, run, results)

@@ -31,8 +31,8 @@ from jaxrl_batch.train.step_row import RolloutStats, group_zero_std_frac, traine
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id", "sampling",
                                              "group_size", "attention_backend"))
-def _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data_3, *, max_new_tokens: int, eos_id: int,
-            pad_id: int, sampling: Strategy, group_size: int, attention_backend: str):
+def sample_round(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data_3, *, max_new_tokens: int, eos_id: int,
+                 pad_id: int, sampling: Strategy, group_size: int, attention_backend: str):
   """One round's rollout, its sampling key built on the device from `streams.sampling_key_data`."""
   return generate(graphdef, params, prompt_BxP, prompt_valid_BxP, streams.sampling_key(key_data_3),
                   max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, sampling=sampling,
@@ -40,7 +40,7 @@ def _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data_3, *, max_n
                   attention_backend=attention_backend)
 
 
-_sampling_key = jax.jit(streams.sampling_key)
+sampling_key = jax.jit(streams.sampling_key)
 
 
 @jax.jit
@@ -141,10 +141,10 @@ class Collector:
                   sampling=exp.strategy, group_size=g)
     with jax.set_mesh(exp.mesh):
       if engine.engine == "static" and self.slots in (0, m.batch_size):  # one block, one program
-        out, engine_stats = _sample(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data,
+        out, engine_stats = sample_round(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data,
                                     attention_backend=engine.attention_backend, **kwargs), None
       else:
-        out, engine_stats = rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, _sampling_key(key_data),
+        out, engine_stats = rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, sampling_key(key_data),
                                     engine=engine, slots=self.slots, row_sharding=self._row_sharding,
                                     on_ended=stream_to(exp, scoring, self.slots or m.batch_size) if streamed else None,
                                     **kwargs)

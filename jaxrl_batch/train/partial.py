@@ -35,7 +35,7 @@ from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import sharding, streams, transfer
 from jaxrl_batch.sampling import continuous
 from jaxrl_batch.train import samples_log
-from jaxrl_batch.train.collector import Collector, _sampling_key
+from jaxrl_batch.train.collector import Collector, sampling_key
 from jaxrl_batch.train.step_row import RolloutStats, group_zero_std_frac, trained_rewards
 
 
@@ -151,7 +151,7 @@ class PartialCollector(Collector):
     table = self._request_table(reqs)
     prompt_QxP, valid_QxP, requests, key_data = self._upload_requests(table)
     out = continuous.decode(graphdef, params, prompt_QxP, valid_QxP, requests, table.held_R, range(len(reqs)),
-                            _sampling_key(key_data), eos_id=exp.stop_id, sampling=exp.strategy, engine=exp.engine,
+                            sampling_key(key_data), eos_id=exp.stop_id, sampling=exp.strategy, engine=exp.engine,
                             slots=self.slots, stop=self._stop(table.uid_R), row_sharding=self._row_sharding,
                             kept=self._kept_slots())
     self.kept = out.kept if self.carry_kv else None
