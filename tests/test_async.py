@@ -79,7 +79,7 @@ def test_streamed_rewards_are_the_rewards_of_the_rollout(tmp_path, base_cache):
   try:
     exp = trainer.exp
     out = trainer.collector._round(trainer.graphdef, state["params"], 0, 0)
-    _, _, tokens_BxN, _, mask_BxN, _ = out["device"]
+    tokens_BxN, mask_BxN = out["device"].tokens_BxN, out["device"].mask_BxN
     problems = exp.task.train_problems(streams.rl_prompt_seed(exp.member.seed, 0), 0, exp.member.num_prompts)
     problems_B = [p for p in problems for _ in range(exp.member.group_size)]
     after = exp.scorer.score(exp.decode_responses(*jax.device_get((tokens_BxN, mask_BxN))), problems_B)

@@ -54,8 +54,8 @@ def packed(batch: TrainBatch, weights: LossWeights, packing: packing_lib.Packing
   number of micro-batches that hold tokens (`rl.packing`) and each row's micro-batch (M for a row of no tokens)."""
   plan = packing_lib.plan(batch.valid_BxT, packing=packing)
   pack = lambda x: None if x is None else packing_lib.pack(plan, x)
-  micro = TrainBatch(*(pack(x) for x in batch[:10]), positions_BxT=plan.positions_MxRxL,
-                     segment_ids_BxT=plan.segment_ids_MxRxL)
+  layout = dict(positions_BxT=plan.positions_MxRxL, segment_ids_BxT=plan.segment_ids_MxRxL)
+  micro = TrainBatch(**{name: pack(getattr(batch, name)) for name in batch._fields if name not in layout}, **layout)
   micro_B = jnp.min(plan.dest_BxT, axis=1) // (packing.rows * packing.length)
   micro_batches = (micro._replace(valid_BxT=plan.segment_ids_MxRxL > 0), LossWeights(*map(pack, weights)))
   return micro_batches, plan.num_micro, micro_B

@@ -162,7 +162,8 @@ class Collector:
     if failures:
       # Named as its metrics row (`step`: steps done, so step index s trains as row s + 1).
       logging.warning("Step %d: the reward function %s", step + 1, failures)
-    device = (prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN, out.experts_BxTxLxK)
+    device = Rollouts(prompt_BxP, prompt_valid_BxP, out.tokens_BxN, out.logprobs_BxN, out.mask_BxN, rewards_B=None,
+                      trained_B=None, experts_BxTxLxK=out.experts_BxTxLxK)  # Scored below, once the rows are kept.
     return dict(device=device, task_rewards_B=scores.rewards_B, lengths_B=lengths_B, truncated_B=truncated_B,
                 problems_B=problems_B, completions_B=scores.completions_B, errors=scores.errors,
                 timeouts=scores.timeouts, rollout_s=t1 - t0, reward_s=time.time() - t1, engine=engine_stats)
@@ -220,4 +221,4 @@ class Collector:
     else:
       with jax.set_mesh(mesh):
         selected = _select([out["device"] for out in rounds], device_rows_B)
-    return Rollouts(*selected[:5], device_rewards_B, device_trained_B, selected[5])
+    return selected._replace(rewards_B=device_rewards_B, trained_B=device_trained_B)
