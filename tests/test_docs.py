@@ -1,6 +1,6 @@
 """The documentation stays true: the README is a landing page holding CI's commands, every relative link in it and
-in docs/ resolves, the package layers that docs/architecture.md draws are the ones the imports follow, and its list of each package's imports is
-the imports."""
+in docs/ resolves, the package layers that docs/architecture.md draws are the ones the imports follow, and its
+list of each package's imports is the imports."""
 import ast
 import pathlib
 import re
