@@ -41,7 +41,7 @@ def test_rollout_statistics_match_a_hand_computation():
 
 
 def test_a_training_row_joins_counters_rollouts_timing_update_and_noise():
-  update = dict(loss=0.5, policy_loss=0.4, clip_frac_low=0.125, clip_frac_high=0.25, logp_gap=0.01,
+  update = dict(loss=0.5, policy_loss=0.4, clip_frac_low=0.125, clip_frac_high=0.25, logp_gap_mean=0.01,
                 noise_signal_sq=2.0, noise_trace=3.0)
   row = step_row.training_row(COUNTERS, _stats(), dict(update_s=2.0, lr=1e-3, kl_coef=0.0), update,
                               dict(noise_scale=1.5), updates_per_step=4)
@@ -50,7 +50,7 @@ def test_a_training_row_joins_counters_rollouts_timing_update_and_noise():
   assert "carried_over" not in row and "policy_version" not in row  # optional fields of other modes
   assert row["clip_frac"] == 0.375 and row["updates"] == 4 and row["noise_scale"] == 1.5
   assert row["kl"] == 0.0  # no KL term
-  assert row["logp_gap_mean"] == 0.01  # from the first update when the trainer did not recompute log-probs
+  assert row["logp_gap_mean"] == 0.01  # the step's (Trainer puts prepare's recomputed one over the first update's)
   assert "noise_signal_sq" not in row and "noise_trace" not in row  # raw estimates feed the EMA, not the row
   recomputed = step_row.training_row(COUNTERS, _stats(carried_over=2), {}, dict(update, logp_gap_mean=0.02, kl=0.3),
                                      {}, updates_per_step=1)

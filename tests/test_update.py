@@ -95,7 +95,7 @@ def test_update_raises_logprob_of_positive_advantage_sequences():
   _, before, after, metrics = one_step(mesh, 1, batch, algo_config())
   # On-policy: the update's log-probs are these to rounding (another program), a few ulps of |logp| (about 3 here).
   logp_size = float(jnp.abs(on_policy).sum() / batch.loss_mask_BxT.sum())
-  assert metrics["clip_frac_low"] == metrics["clip_frac_high"] == 0.0 and metrics["logp_gap"] < 1e-5 * logp_size
+  assert metrics["clip_frac_low"] == metrics["clip_frac_high"] == 0.0 and metrics["logp_gap_mean"] < 1e-5 * logp_size
 
   def seq_logp(p):
     logp, _ = sequence_logprobs(models.graphdef, p, batch.tokens_BxT, batch.valid_BxT)

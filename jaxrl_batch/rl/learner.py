@@ -81,10 +81,10 @@ def _prompt_ids(rows_S=None, *, batch_size: int, group_size: int) -> jax.Array:
 
 @jax.jit
 def _mean_over_updates(history: list[dict]) -> dict:
-  """Each metric's mean over the step's updates; `logp_gap` and `router_mismatch_frac` from the first (before any
+  """Each metric's mean over the step's updates; `logp_gap_mean` and `router_mismatch_frac` from the first (before any
   update of this step: the sampler's weights)."""
   out = {k: jnp.mean(jnp.stack([m[k] for m in history])) for k in history[0]}
-  for first in ("logp_gap", "router_mismatch_frac"):
+  for first in ("logp_gap_mean", "router_mismatch_frac"):
     if first in out:
       out[first] = history[0][first]
   return out

@@ -68,7 +68,7 @@ def signed_losses(terms: Terms, weights: LossWeights, kl_coef, cfg: AlgoConfig) 
 def terms_and_diagnostics(out: Outputs, micro: TrainBatch, token_BxT, cfg: AlgoConfig,
                           num_micro) -> tuple[Terms, dict]:
   """The loss's per-token terms of the forward `out` on `micro`, and the logged diagnostics (token means under
-  `token_BxT`: entropy, kl, clip fractions, ratio_mean, logp_gap, tis_capped_frac; the router's sums)."""
+  `token_BxT`: entropy, kl, clip fractions, ratio_mean, logp_gap_mean, tis_capped_frac; the router's sums)."""
   value_BxT = None
   if cfg.critic:
     value_BxT = losses.value_loss(out.values_BxT, micro.old_values_BxT, micro.returns_BxT, cfg.vf_clip)
@@ -92,7 +92,7 @@ def terms_and_diagnostics(out: Outputs, micro: TrainBatch, token_BxT, cfg: AlgoC
     aux["kl"] = tmean(kl_BxT)
   aux.update(entropy=tmean(entropy_BxT), clip_frac_low=tmean(low_BxT), clip_frac_high=tmean(high_BxT),
              ratio_mean=tmean(jnp.exp(log_ratio_BxT)),
-             logp_gap=tmean(jnp.abs(jax.lax.stop_gradient(out.logp_BxT) - micro.sampler_logp_BxT)))
+             logp_gap_mean=tmean(jnp.abs(jax.lax.stop_gradient(out.logp_BxT) - micro.sampler_logp_BxT)))
   router_aux = None
   if out.routings:
     aux.update(routing_lib.micro_batch_terms(out.routings, micro.valid_BxT, micro.experts_BxTxLxK, num_micro))

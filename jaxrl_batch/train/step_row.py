@@ -106,7 +106,7 @@ def training_row(counters: dict, rollout: RolloutStats, timing: dict, update: di
   # kl is 0 without a KL term; logp_gap_mean compares the sampler with the trainer's log-probs before this step's
   # updates: recomputed (`rl.old_logp='trainer'`) or, without that, from the first update's forward.
   return dict(counters, **rollout_fields, **timing, **noise, **copied, kl=update.get("kl", 0.0),
-              logp_gap_mean=update.get("logp_gap_mean", update.get("logp_gap")))
+              logp_gap_mean=update.get("logp_gap_mean"))
 
 
 def eval_row(step: int, samples: int, wall_s: float, held_out: dict) -> dict:

@@ -139,7 +139,8 @@ class Trainer:
       step_s = time.time() - start
       busy = stats.rollout_s + stats.reward_s + timing["update_s"]
       timing["overlap_frac"] = min(max((busy - step_s) / step_s, 0.0), 1.0)
-    return state, stats, timing, dict(prepared, **out)
+    # prepare's figures over the update's: its logp_gap_mean (trainer log-probs recomputed) over the first update's.
+    return state, stats, timing, dict(out, **prepared)
 
   def _flush(self) -> None:
     """Fetches the pending step's metrics (if any), checks them and writes its row."""
