@@ -1,13 +1,14 @@
 r"""The recipe every family shares: a family file (grpo_arith.py, ppo_arith.py, grpo_reasoning.py, grpo_gsm8k_qwen.py)
 starts from `get_config` and states only what differs (its task, its base member, its budgets).
 
-Defaults live here, each commented where it is set (or in the family file that changes it), except the model's:
-`config.model` lists every field of `jaxrl_batch.model.ModelConfig`, whose own defaults (documented there, used as
-well by models built without a config) fill the fields the recipe does not shape. The library supplies no others:
-it reads the config's fields (no `config.get(key, default)`), and the dataclasses that mirror a group
-(`rl.algorithm.AlgoConfig` for `rl` and `critic`) are built from the config without defaults. A field added
-after runs were written also gets an entry in `jaxrl_batch.config.migrate.ADDED`: the value those runs ran with,
-filled into an old config.json when it is read (resume, branch, analysis) and named in a log line.
+Defaults live here, each commented where it is set (or in the family file that changes it), except those of the
+groups read into a dataclass (`model`, `lora`, `sampling`, `eval`): `group` lists every field of the dataclass at
+its default, written and documented there only (and used as well by the library's own calls without a config), and
+the recipe sets what it shapes. The library supplies no others: it reads the config's fields (no
+`config.get(key, default)`), and the dataclasses that mirror a group (`rl.algorithm.AlgoConfig` for `rl` and
+`critic`) are built from the config without defaults. A field added after runs were written also gets an entry in
+`jaxrl_batch.config.migrate.ADDED`: the value those runs ran with, filled into an old config.json when it is read
+(resume, branch, analysis) and named in a log line.
 
 The arguments of the arithmetic-style families (`ARGS`): 'batch=<rollouts per step>,lr_rule=<none|linear|sqrt|
 adam_sde>,seed=<int>,family_axis=<prompts|group_size>,lora=<rank>,debug,moe' (lora: a LoRA family of that rank, whose

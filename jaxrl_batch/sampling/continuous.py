@@ -506,8 +506,8 @@ class _Run:
       self.state, self.renamed_S = _renamed(self.state, renamed_S, self.requests.budget_R.shape[0]), None
     if plan.resuming:
       t0 = time.perf_counter()
-      self.state = jax.block_until_ready(resume_slots(self.graphdef, self.params, self.state, self.outputs, self.prefix,
-                                                 self.requests, resume_S, own_SxM, fed=fed))
+      self.state = jax.block_until_ready(resume_slots(self.graphdef, self.params, self.state, self.outputs,
+                                                      self.prefix, self.requests, resume_S, own_SxM, fed=fed))
       self.reprefill_s += time.perf_counter() - t0
       self.reprefilled += int((plan.resume_S >= 0).sum())
     self.state, self.outputs, steps, tokens = decode_chunk(

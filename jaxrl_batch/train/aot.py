@@ -578,7 +578,7 @@ def engine_inputs(step: AbstractStep, evaluating: bool) -> dict | str:
     with jax.set_mesh(exp.mesh):  # "auto" stands for the backend of the mesh's chips.
       length = cache_buckets(p, n, engine.backend)[-1]
     start = continuous.slots_starter(s, length, layers, functools.partial(sharding.batch_sharding, exp.mesh), moe=moe,
-                                heads=prefix.cache.k_layers[0].shape[1])
+                                     heads=prefix.cache.k_layers[0].shape[1])
   started = _laid_out(step, start, prefix, requests)
   if isinstance(started, str):
     step.memo[key] = started

@@ -142,7 +142,7 @@ class Collector:
     with jax.set_mesh(exp.mesh):
       if engine.engine == "static" and self.slots in (0, m.batch_size):  # one block, one program
         out, engine_stats = sample_round(graphdef, params, prompt_BxP, prompt_valid_BxP, key_data,
-                                    attention_backend=engine.attention_backend, **kwargs), None
+                                         attention_backend=engine.attention_backend, **kwargs), None
       else:
         out, engine_stats = rollout(graphdef, params, prompt_BxP, prompt_valid_BxP, sampling_key(key_data),
                                     engine=engine, slots=self.slots, row_sharding=self._row_sharding,
