@@ -33,7 +33,8 @@ def test_a_second_user_of_a_base_policy_waits_for_the_one_creating_it(tmp_path):
 
 def test_how_rewards_are_scored_leaves_the_base_policy_key_as_it_was(tmp_path):
   """`tasks.SCORING_FIELDS` do not change the warm start: changing them reuses the cached base, and a config at
-  their defaults keeps the key it had when the whole task group was hashed; any other task field changes it."""
+  their defaults keeps the key it had when the whole task group was hashed, and the model group only the fields the
+  recipe listed then; any other task field changes it."""
   tokenizer = tmp_path / "tokenizer.model"
   tokenizer.write_bytes(b"a tokenizer")
   exp = lambda config: types.SimpleNamespace(config=config, tokenizer=types.SimpleNamespace(path=str(tokenizer)),
@@ -41,7 +42,9 @@ def test_how_rewards_are_scored_leaves_the_base_policy_key_as_it_was(tmp_path):
   config = grpo_arith.get_config("debug")
   key = sft.cache_key(exp(config))
   with open(tokenizer, "rb") as f:
-    whole_task = dict(model={k: v for k, v in config.model.items() if k not in sft.MEMORY_SETTINGS},
+    listed = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "rope_theta",
+              "norm_eps", "tie_embeddings", "dtype", "param_dtype")  # The recipe's model fields before 2026-12-07.
+    whole_task = dict(model={k: config.model[k] for k in listed},
                       task=config.task.to_dict(), sft={k: v for k, v in config.sft.items() if k != "cache_dir"},
                       seed=config.seed, tokenizer=hashlib.sha256(f.read()).hexdigest(), response_len=8)
   assert key == hashlib.sha256(json.dumps(whole_task, sort_keys=True).encode()).hexdigest()[:16]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_batch.model import policy_logprobs
+from jaxrl_batch.model import ModelConfig, policy_logprobs
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import streams
@@ -80,6 +80,10 @@ def sft_step(params, opt_state, tokens_BxT, valid_BxT, loss_mask_BxT, *, graphde
 
 # Model settings that change memory or speed, not values: a base policy trained under others is the same policy.
 MEMORY_SETTINGS = ("logits_chunk", "remat", "attention", "moe_chunk")
+# Model fields the recipes list since every ModelConfig field is in `config.model`, which base-policy keys made before
+# did not hold: at their defaults they stay out of the key (a dense model's MoE fields too), so those keys stay valid.
+KEY_OMITS_AT_DEFAULT = ("qkv_bias", "qk_norm", "rope_scaling", "mlp_only_layers", "routing_replay")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_d_ff", "norm_topk_prob", "decoder_sparse_step")
 
 
 def cache_key(exp: Experiment) -> str:
@@ -90,7 +94,10 @@ def cache_key(exp: Experiment) -> str:
     tokenizer_hash = hashlib.sha256(f.read()).hexdigest()
   c = exp.config
   sft = {k: v for k, v in c.sft.items() if k != "cache_dir"}
-  model = {k: v for k, v in c.model.items() if k not in MEMORY_SETTINGS}
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+  omitted = KEY_OMITS_AT_DEFAULT + (() if c.model.num_experts else MOE_FIELDS)
+  model = {k: v for k, v in c.model.items()
+           if k not in MEMORY_SETTINGS and not (k in omitted and v == defaults[k])}
   task = {k: SCORING_FIELDS[k] if k in SCORING_FIELDS else v for k, v in c.task.to_dict().items()}
   key = dict(model=model, task=task, sft=sft, seed=c.seed, tokenizer=tokenizer_hash,
              response_len=exp.response_len)
