@@ -10,7 +10,7 @@ r"""Compiles one RL step's programs for a TPU slice or GPU nodes you do not have
 
 No weights, no data, no accelerator: libtpu (`pip install "jax[tpu]"`) compiles for --num_slices slices of
 --topology (v5e:2x2, v5p:2x2x1, v6e:4x4, ...), or the JAX CUDA plugin (`pip install -e '.[cuda_aot]'`) for --num_nodes
-nodes of --gpus GPUs --gpu (h100, h200, a100), the same jitted programs the trainer runs (`train.aot`): update,
+nodes of --gpus GPUs --gpu (h100, h200, a100), the same jitted programs the trainer runs (`aot`): update,
 score, reference, rollout, those the config's step runs; the config's mesh must use their chips. Give --topology or
 --gpu, not both. Prints a table (GiB per chip, the compiler's flops, bytes accessed, optimal seconds, compile
 seconds; GPU executables have no cost analysis) and a verdict per program with the knobs that would help; writes
@@ -29,7 +29,7 @@ from absl import app, flags, logging  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 from jaxrl_batch.runtime import topologies  # pylint: disable=wrong-import-position
-from jaxrl_batch.train import aot  # pylint: disable=wrong-import-position
+from jaxrl_batch import aot  # pylint: disable=wrong-import-position
 from launch import list_flags, logs, runtime  # pylint: disable=wrong-import-position
 
 config_flags.DEFINE_config_file("config", None, "Config file (`path.py:args`).", lock_config=True)

@@ -1,5 +1,5 @@
 r"""Compiles one decode step of the continuous engine for a TPU slice at several concurrencies and sets the compiler's
-figures beside the step's HBM roofline per chip (`train.decode_roofline`).
+figures beside the step's HBM roofline per chip (`aot.decode_roofline`).
 
   python -m launch.decode_roofline --config=configs/grpo_gsm8k_qwen.py:model=qwen2.5-1.5b,mesh=1x1x4 \
       --topology=v5p:2x2x1 --concurrency=1,8,64,256 --prompt_tokens=512 --response_tokens=3584 --out=/tmp/roof15
@@ -30,7 +30,7 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 from jaxrl_batch.predict import decode_check, step_time  # pylint: disable=wrong-import-position
-from jaxrl_batch.train import decode_roofline  # pylint: disable=wrong-import-position
+from jaxrl_batch.aot import decode_roofline  # pylint: disable=wrong-import-position
 from launch import list_flags, logs, runtime  # pylint: disable=wrong-import-position
 
 config_flags.DEFINE_config_file("config", None, "Config file (`path.py:args`).", lock_config=True)

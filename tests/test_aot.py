@@ -1,4 +1,4 @@
-"""`train.aot`: the trainer's programs compiled for a TPU slice this machine does not have (libtpu's compile-only
+"""`aot`: the trainer's programs compiled for a TPU slice this machine does not have (libtpu's compile-only
 devices), their memory per chip and costs; `launch.aot_check` writes them as JSON. The same for GPU nodes (the JAX
 CUDA plugin's compile-only devices)."""
 import json
@@ -15,7 +15,7 @@ from configs import grpo_gsm8k_qwen
 from jaxrl_batch.kernels import train_attention
 from jaxrl_batch.model import lora
 from jaxrl_batch.runtime import sharding, topologies
-from jaxrl_batch.train import aot
+from jaxrl_batch import aot
 from tests.helpers import ATTENTION_B, ATTENTION_T, compiled_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

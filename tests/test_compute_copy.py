@@ -12,7 +12,9 @@ from flax import nnx
 from configs import grpo_gsm8k_qwen
 from jaxrl_batch.model import compute_copy, lora, masks
 from jaxrl_batch.sampling import EngineSettings, Strategy, generate_continuous
-from jaxrl_batch.train import aot, collector, partial, rundir
+from jaxrl_batch import aot
+from jaxrl_batch.aot.abstract_step import rollout_resident
+from jaxrl_batch.train import collector, partial, rundir
 from jaxrl_batch.train import trainer as trainer_module
 from jaxrl_batch.train.trainer import Trainer
 from tests.helpers import ONE_DEVICE, assert_same_rollout, debug_config, one_device_model, tiny_config
@@ -99,18 +101,18 @@ def test_the_aot_check_compiles_the_engines_on_the_copy_with_the_master_resident
   others = step.resident("opt_state", "ref")
   cast = [m for path, m in jax.tree_util.tree_leaves_with_path(master) if path[-1].key != "scale"]
   # The master leaves the copy casts stay resident; the norm scales are the copy's own arrays.
-  assert aot._rollout_resident(step) == others + aot.per_chip_bytes(cast) < others + master_bytes  # pylint: disable=protected-access
+  assert rollout_resident(step) == others + aot.per_chip_bytes(cast) < others + master_bytes
   config.model.dtype = "float32"  # Nothing to cast: the engines read the master weights themselves.
   same = aot.AbstractStep.build(aot.abstract_experiment(config, jax.devices(), 32, 32))
-  assert same.sampler_params is same.state["params"]
-  assert aot._rollout_resident(same) == same.resident("opt_state", "ref")  # pylint: disable=protected-access
+  assert all(s is m for s, m in zip(jax.tree.leaves(same.sampler_params), jax.tree.leaves(same.state["params"])))
+  assert rollout_resident(same) == same.resident("opt_state", "ref")
   # LoRA on a bfloat16 base: the copy casts only the float32 adapters, the base is shared, not resident twice.
   config.model.update(dtype="bfloat16", param_dtype="bfloat16")
   config.lora.rank = 4
   lora_step = aot.AbstractStep.build(aot.abstract_experiment(config, jax.devices(), 32, 32))
   adapters = [m for path, m in jax.tree_util.tree_leaves_with_path(lora_step.state["params"]) if lora.is_adapter(path)]
   assert lora_step.ref_params is None and {m.dtype for m in adapters} == {jnp.dtype(jnp.float32)}
-  assert aot._rollout_resident(lora_step) == lora_step.resident("opt_state") + aot.per_chip_bytes(adapters)  # pylint: disable=protected-access
+  assert rollout_resident(lora_step) == lora_step.resident("opt_state") + aot.per_chip_bytes(adapters)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The decode step's bytes on a TPU slice (issue 36): the token choice over a vocabulary split over `tensor` stays
-split (`strategies.choose`), and `train.decode_roofline.hbm_bytes` counts an operand a fusion only slices as the
+split (`strategies.choose`), and `aot.decode_roofline.hbm_bytes` counts an operand a fusion only slices as the
 slices read, so the per-row cache write's loop and the embedding lookup count the rows they touch, not the whole
 layer or table; and a mixture of experts' grouped matmuls (XLA's TPU ragged dot) at the experts the step's tokens
 choose, where the compiled kernels say they read only the groups with rows."""
@@ -17,7 +17,7 @@ from jaxrl_batch.model import moe
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import Strategy
 from jaxrl_batch.sampling.strategies import choose
-from jaxrl_batch.train import decode_roofline
+from jaxrl_batch.aot import decode_roofline
 from tests.close import assert_close
 
 _SLICING_HLO = """HloModule m

@@ -140,3 +140,10 @@ def documented_imports() -> dict[str, set[str]]:
 
 def test_the_documented_imports_are_the_imports():
   assert documented_imports() == package_imports()
+
+
+def test_no_module_is_over_600_lines():
+  """Small modules, one concept each: a module past 600 lines is split (docs/architecture.md's map says where)."""
+  long = {str(path.relative_to(ROOT)): n for path in sorted((ROOT / "jaxrl_batch").rglob("*.py"))
+          if (n := len(path.read_text().splitlines())) > 600}
+  assert not long, f"modules over 600 lines: {long}"

@@ -1,5 +1,5 @@
 """The KV cache's layout on a tensor-parallel mesh (kv heads repeated to split over `tensor`, per-row writes in
-place) and the decode step's roofline (`train.decode_roofline`): rollouts equal the single-device ones, the cache
+place) and the decode step's roofline (`aot.decode_roofline`): rollouts equal the single-device ones, the cache
 holds only each chip's heads, and the compiled step's figures."""
 import math
 
@@ -13,7 +13,7 @@ from jaxrl_batch.model import KVCache, Transformer
 from jaxrl_batch.model.kv_cache import cache_heads
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import EngineSettings, Strategy, continuous, generate_continuous
-from jaxrl_batch.train import decode_roofline
+from jaxrl_batch.aot import decode_roofline
 from tests.close import assert_close
 from tests.helpers import assert_same_rollout, one_device_model, tiny_config
 
@@ -93,7 +93,7 @@ def test_roofline_bytes_count_each_chips_weights_and_heads(compile_only_tpu):
   config = _tiny_qwen()
   with config.unlocked():
     config.sampling.slots = 8
-  from jaxrl_batch.train import aot  # pylint: disable=import-outside-toplevel
+  from jaxrl_batch import aot  # pylint: disable=import-outside-toplevel
   step = aot.AbstractStep.build(aot.abstract_experiment(config, topo.devices, 16, 48))
   cfg = step.exp.model_cfg  # 4 query heads, 2 kv heads of 16, 2 layers, tied embeddings
   weights, kv = decode_roofline.roofline_bytes(step, rows=8, length=63)

@@ -15,6 +15,7 @@ import pytest
 from configs.base import algo_config
 from jaxrl_batch.rl import losses
 from jaxrl_batch.rl.batch import TrainBatch
+from jaxrl_batch.rl import noise_scale
 from jaxrl_batch.rl.noise_scale import (NoiseScale, from_micro_batches, from_signed_gradients,
                                         from_split_micro_batches, signs)
 from jaxrl_batch.rl.objective import LossWeights
@@ -209,6 +210,30 @@ def test_ema_ratio_converges_to_b_simple_on_noisy_micro_batch_gradients():
   for signal_sq, trace in zip(*map(np.asarray, (out["noise_signal_sq"], out["noise_trace"]))):
     value = estimate.update(dict(noise_signal_sq=float(signal_sq), noise_trace=float(trace)), 1)["noise_scale"]
   assert value == pytest.approx(100.0, rel=0.25)
+
+
+def test_row_fields_follow_the_mode_and_are_none_without_an_estimate():
+  """A frozen actor's step carries no estimate: each field of its mode None; a step's estimates go to the EMAs."""
+  assert NoiseScale().row(dict(loss=0.5), 4, split=False) == dict(noise_scale=None)
+  assert NoiseScale().row(dict(loss=0.5), 4, split=True) == dict(noise_scale=None, noise_inter=None, noise_intra=None)
+  fetched = dict(loss=0.5, grad_norm=1.0, noise_signal_sq=2.0, noise_inter_trace=6.0, noise_intra_trace=10.0)
+  assert NoiseScale(decay=0.5).row(fetched, 4, split=True) == dict(noise_scale=17.0, noise_inter=3.0, noise_intra=5.0)
+
+
+def test_the_estimator_follows_the_config_and_the_ids():
+  """Ids where micro-batches may split groups (`needs_ids`), and the estimate the update then makes."""
+  cfg, ids = algo_config(), jnp.zeros((8, 2), jnp.int32)
+  split = dataclasses.replace(cfg, noise_split=True)
+  assert not noise_scale.needs_ids(cfg, 4, 32, 4, None)  # micro-batches of 8 rows: whole groups of 4
+  assert noise_scale.needs_ids(cfg, 4, 32, 16, None)  # micro-batches of 2 rows split the groups
+  assert noise_scale.needs_ids(cfg, 4, 32, 4, Packing(2, 18))
+  assert noise_scale.needs_ids(dataclasses.replace(cfg, mini_batches=2), 4, 32, 4, None)
+  assert noise_scale.needs_ids(split, 4, 32, 4, None)
+  kinds = [noise_scale.estimator(c, i, True).kind for c, i in ((cfg, None), (cfg, ids), (split, ids))]
+  assert kinds == [noise_scale.WHOLE_GROUPS, noise_scale.SPLIT_GROUPS, noise_scale.SIGNED]
+  assert noise_scale.estimator(split, ids, False).kind is None  # the actor frozen: no estimate
+  with pytest.raises(ValueError, match="noise_split needs each row's prompt id"):
+    noise_scale.estimator(split, None, True)
 
 
 def test_noise_split_needs_groups():

@@ -38,7 +38,7 @@ def test_no_module_uses_another_modules_private_names():
 
 
 def test_the_check_finds_each_form():
-  source = ("from jaxrl_batch.train import aot\nfrom jaxrl_batch.kernels.decode_attention import _ROWS\n"
+  source = ("from jaxrl_batch import aot\nfrom jaxrl_batch.kernels.decode_attention import _ROWS\n"
             "import jaxrl_batch.train.collector as c\nfrom jaxrl_batch.model import ModelConfig\n"
             "aot._cost(x)\nc._sample\nModelConfig._check\nself._own\nlocal._x\naot.__name__\n")
   assert private_uses(source, "m.py") == ["m.py:2: jaxrl_batch.kernels.decode_attention._ROWS", "m.py:5: aot._cost",

@@ -15,7 +15,24 @@ from jaxrl_batch.train.step_row import RolloutStats
 from tests.close import assert_close
 
 DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "run_directory.md")
-COUNTERS = dict(step=3, samples=384, samples_generated=400, wall_s=12.5, cold=False)
+COUNTERS = step_row.Progress(step=3, samples=384, samples_generated=400, wall_s=12.5, cold=False)
+TIMING = step_row.Timing(update_s=2.0, lr=1e-3, kl_coef=0.0, compile_s=0.0)
+NOISE = step_row.Noise.of(dict(noise_scale=1.5))
+
+# Each group's names as docs/run_directory.md documents them, in the row's order, with every optional field present:
+# users' scripts read these, so a record that renames, drops or reorders one fails here.
+PROGRESS_KEYS = ("step", "samples", "samples_generated", "wall_s", "cold")
+ROLLOUT_KEYS = ("rollout_s", "reward_s", "sampling_rounds", "reward_mean", "reward_std", "response_len_mean",
+                "truncated_frac", "zero_std_group_frac", "reward_errors", "reward_timeouts", "useful_token_frac",
+                "rollout_chunks", "preempted", "response_len_max", "response_lens", "reprefill_s", "policy_lag_mean",
+                "policy_lag_max", "partial_frac", "carried_over", "update_wait_s", "rollout_wait_s", "policy_version",
+                "policy_lag_samples_mean")
+TIMING_KEYS = ("update_s", "lr", "kl_coef", "compile_s", "overlap_frac")
+NOISE_KEYS = ("noise_scale", "noise_inter", "noise_intra")
+UPDATE_KEYS = ("returns_mean", "vf_explained_var", "loss", "policy_loss", "entropy", "clip_frac", "clip_frac_low",
+               "clip_frac_high", "ratio_mean", "tis_capped_frac", "grad_norm", "value_loss", "critic_grad_norm",
+               "updates", "router_mismatch_frac", "expert_load_cv", "router_aux_loss", "kl", "logp_gap_mean")
+HELD_OUT_KEYS = ("eval_accuracy", "eval_reward_errors", "eval_pass1", "eval_pass_at_k", "eval_maj_at_k")
 
 
 def _stats(**optional) -> RolloutStats:
@@ -41,21 +58,65 @@ def test_rollout_statistics_match_a_hand_computation():
 
 
 def test_a_training_row_joins_counters_rollouts_timing_update_and_noise():
-  update = dict(loss=0.5, policy_loss=0.4, clip_frac_low=0.125, clip_frac_high=0.25, logp_gap_mean=0.01,
-                noise_signal_sq=2.0, noise_trace=3.0)
-  row = step_row.training_row(COUNTERS, _stats(), dict(update_s=2.0, lr=1e-3, kl_coef=0.0), update,
-                              dict(noise_scale=1.5), updates_per_step=4)
+  out = dict(loss=0.5, policy_loss=0.4, clip_frac_low=0.125, clip_frac_high=0.25, logp_gap_mean=0.01,
+             noise_signal_sq=2.0, noise_trace=3.0)
+  row = step_row.training_row(COUNTERS, _stats(), TIMING, NOISE, step_row.UpdateMetrics.from_fetched(out, 4))
   assert row["samples_generated"] == 400  # the run's count, not the step's
   assert "trained_samples" not in row and "examples" not in row
   assert "carried_over" not in row and "policy_version" not in row  # optional fields of other modes
+  assert "overlap_frac" not in row  # generation ahead of the learner only
   assert row["clip_frac"] == 0.375 and row["updates"] == 4 and row["noise_scale"] == 1.5
   assert row["kl"] == 0.0  # no KL term
   assert row["logp_gap_mean"] == 0.01  # the step's (Trainer puts prepare's recomputed one over the first update's)
   assert "noise_signal_sq" not in row and "noise_trace" not in row  # raw estimates feed the EMA, not the row
-  recomputed = step_row.training_row(COUNTERS, _stats(carried_over=2), {}, dict(update, logp_gap_mean=0.02, kl=0.3),
-                                     {}, updates_per_step=1)
+  assert "grad_norm" not in row and "value_loss" not in row  # not computed by this update
+  recomputed = step_row.training_row(COUNTERS, _stats(carried_over=2), TIMING, NOISE,
+                                     step_row.UpdateMetrics.from_fetched(dict(out, logp_gap_mean=0.02, kl=0.3), 1))
   assert (recomputed["logp_gap_mean"], recomputed["kl"], recomputed["carried_over"]) == (0.02, 0.3, 2)
   assert json.loads(json.dumps(row)) == row
+  unmeasured = step_row.UpdateMetrics.from_fetched(dict(loss=0.5), 1)
+  row = step_row.training_row(COUNTERS, _stats(), TIMING, NOISE, unmeasured)
+  assert list(row)[-2:] == ["kl", "logp_gap_mean"] and row["logp_gap_mean"] is None  # null, not absent
+
+
+# Each record with every optional field set.
+FULL = dict(Progress=COUNTERS,
+            RolloutStats=_stats(**{f.name: 1 for f in dataclasses.fields(RolloutStats) if f.default is None}),
+            Timing=dataclasses.replace(TIMING, overlap_frac=0.5),
+            Noise=step_row.Noise.of(dict(noise_scale=1.0, noise_inter=0.5, noise_intra=2.0)),
+            UpdateMetrics=step_row.UpdateMetrics.from_fetched({k: 0.5 for k in UPDATE_KEYS}, updates_per_step=1),
+            HeldOut=step_row.HeldOut(eval_accuracy=0.5, eval_reward_errors=0,
+                                     **sampled_metrics(np.ones((2, 3)), [["1"] * 3] * 2)))
+
+
+def _full_training_row() -> dict:
+  return step_row.training_row(FULL["Progress"], FULL["RolloutStats"], FULL["Timing"], FULL["Noise"],
+                               FULL["UpdateMetrics"])
+
+
+@pytest.mark.parametrize("name, keys", [
+    ("Progress", PROGRESS_KEYS), ("RolloutStats", ROLLOUT_KEYS), ("Timing", TIMING_KEYS), ("Noise", NOISE_KEYS),
+    ("UpdateMetrics", UPDATE_KEYS), ("HeldOut", HELD_OUT_KEYS)])
+def test_each_record_holds_its_documented_names(name, keys):
+  assert tuple(FULL[name].to_row()) == keys
+  assert set(keys) <= _documented_fields()
+
+
+def test_a_training_row_holds_each_group_in_turn():
+  assert list(_full_training_row()) == [*PROGRESS_KEYS, *ROLLOUT_KEYS, *TIMING_KEYS, *NOISE_KEYS, *UPDATE_KEYS]
+
+
+def test_optional_fields_are_absent_or_null_as_documented():
+  assert "overlap_frac" not in TIMING.to_row()
+  assert step_row.Noise.of(dict(noise_scale=None)).to_row() == dict(noise_scale=None)  # null without an estimate
+  assert step_row.Noise.of(dict.fromkeys(NOISE_KEYS)).to_row() == dict.fromkeys(NOISE_KEYS)  # the split: all three
+  with pytest.raises(TypeError):
+    step_row.Noise.of(dict(noise_scale=1.0, noise_ratio=2.0))
+  warmup = step_row.UpdateMetrics.from_fetched(dict(loss=0.5, value_loss=0.2, critic_grad_norm=1.0), 2).to_row()
+  assert warmup == dict(loss=0.5, value_loss=0.2, critic_grad_norm=1.0, updates=2, kl=0.0, logp_gap_mean=None)
+  greedy = step_row.HeldOut(eval_accuracy=0.25, eval_reward_errors=1)
+  assert step_row.eval_row(2, 64, 3.0, greedy) == dict(step=2, samples=64, wall_s=3.0, eval_accuracy=0.25,
+                                                       eval_reward_errors=1)
 
 
 def test_rollout_stats_survive_a_checkpoint_as_json():
@@ -77,15 +138,11 @@ def test_overlong_handling(overlong, rewards, trained):
 
 
 def _documented_fields() -> set[str]:
-  return set(re.findall(r"^\| `([a-z_0-9]+)` \|", open(DOCS).read(), flags=re.M))
+  """The fields of the metrics.jsonl table (its section: other tables name files and config.json's keys)."""
+  section = open(DOCS).read().split("\n## metrics.jsonl\n")[1].split("\n## ")[0]
+  return set(re.findall(r"^\| `([a-z_0-9]+)` \|", section, flags=re.M))
 
 
-def test_every_field_a_row_can_hold_is_documented():
-  every_optional = {f.name: 1 for f in dataclasses.fields(RolloutStats) if f.default is None}
-  update = {k: 0.5 for k in step_row.UPDATE_KEYS + ("clip_frac_low", "clip_frac_high", "kl", "logp_gap_mean")}
-  row = step_row.training_row(COUNTERS, _stats(**every_optional),
-                              dict(update_s=1.0, lr=1e-3, kl_coef=0.1, overlap_frac=0.5), update,
-                              dict(noise_scale=1.0, noise_inter=0.5, noise_intra=2.0), updates_per_step=1)
-  held_out = dict(eval_accuracy=0.5, eval_reward_errors=0, **sampled_metrics(np.ones((2, 3)), [["1"] * 3] * 2))
-  keys = set(row) | set(step_row.eval_row(1, 128, 2.0, held_out))
-  assert keys - _documented_fields() == set()
+def test_every_documented_field_is_a_rows_and_every_field_a_row_can_hold_is_documented():
+  eval_row = step_row.eval_row(1, 128, 2.0, FULL["HeldOut"])
+  assert set(_full_training_row()) | set(eval_row) == _documented_fields()

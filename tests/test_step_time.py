@@ -13,7 +13,7 @@ import pytest
 
 from configs import grpo_gsm8k_qwen
 from jaxrl_batch.predict import engine_time, lengths, step_time
-from jaxrl_batch.train import aot
+from jaxrl_batch import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT, RESPONSE = 32, 32

@@ -1,5 +1,5 @@
 """The platform a program is traced for, which is not always the machine's: a mesh of compile-only TPU devices on a
-CPU host (`train.aot`) traces for "tpu" while `jax.default_backend()` says "cpu"."""
+CPU host (`aot`) traces for "tpu" while `jax.default_backend()` says "cpu"."""
 import jax
 
 

@@ -19,25 +19,16 @@ def is_cast(path, x, dtype) -> bool:
   return name not in READ_IN_FLOAT32 and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)
 
 
-def casts_any(params, dtype) -> bool:
-  """Whether `compute_copy(params, dtype)` casts any leaf (False: the policy is already what its forward reads)."""
-  return any(is_cast(path, x, dtype) for path, x in jax.tree_util.tree_leaves_with_path(params))
-
-
 def compute_copy(params, dtype, copy: bool = False):
   """`params` with every weight the model casts to `dtype` cast once (placed as before); the other leaves are the
-  same arrays, or with copy=True copies (a policy that must outlive the next update's donation of `params`)."""
+  same arrays, or with copy=True copies (a policy that must outlive the next update's donation of `params`). A tree
+  of ShapeDtypeStructs gives the structs of the copy (shardings kept; the other leaves the same): the compile-only
+  check's."""
   def leaf(path, x):
     if is_cast(path, x, dtype):
-      return x.astype(dtype)
+      abstract = isinstance(x, jax.ShapeDtypeStruct)
+      return jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding) if abstract else x.astype(dtype)
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x
     return jnp.copy(x) if copy else x
-  return jax.tree_util.tree_map_with_path(leaf, params)
-
-
-def abstract_compute_copy(params, dtype):
-  """`compute_copy`'s result as ShapeDtypeStructs (shardings kept) of a tree of ShapeDtypeStructs: the AOT check's
-  policy of the decode engines."""
-  def leaf(path, s):
-    return jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype) if is_cast(path, s, dtype) else s.dtype,
-                                sharding=s.sharding)
   return jax.tree_util.tree_map_with_path(leaf, params)

@@ -133,7 +133,7 @@ def expert_swiglu(x_NxD, experts_NxK, weights_NxK, w_gate_ExDxF, w_up_ExDxF, w_d
   """The MoE MLP of N tokens over the E experts held here, the same sum by platform (chosen when the program is
   lowered, `jax.lax.platform_dependent`):
     TPU  the grouped matmuls of `grouped_swiglu` always: XLA's TPU ragged dot is a Mosaic kernel whose grid runs over
-         the groups with rows only (its compiled code, `train.decode_roofline.grouped_kernels_skip_empty_groups`),
+         the groups with rows only (its compiled code, `aot.decode_roofline.grouped_kernels_skip_empty_groups`),
          so a decode step reads the chosen experts' weights, each once, without a loop's step per expert;
     GPU  `looped_swiglu` when the N k assignments are no more than E (decode), else the grouped matmuls;
     CPU  the loop always: JAX's `ragged_dot` is a masked product over every expert there (k times the loop's FLOPs).

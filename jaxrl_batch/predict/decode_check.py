@@ -3,7 +3,7 @@
 Why: `launch.plan_batch --topology=cpu` holds whole steps of a 1M-parameter family against a measured sweep; the
 decode step of a larger model (the ~100M reference shape of `launch.bench_rollout`) is where a prediction of the
 rollout must hold at concurrency 1 ... 64. For each concurrency the continuous engine's decode step
-(`train.decode_roofline.step`, every slot live, the cache at the bucket of the prompt and the budget) is compiled for
+(`aot.decode_roofline.step`, every slot live, the cache at the bucket of the prompt and the budget) is compiled for
 this CPU once, timed by `program_time` kernel by kernel at the rates measured here, and run on zeros (the weights,
 the cache and the slots: a decode step's cost does not depend on their values) for the measured time, the best of
 `repeats` runs (the first is not timed).
@@ -15,7 +15,7 @@ import ml_collections
 
 from jaxrl_batch.predict import spread, step_time
 from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
-from jaxrl_batch.train import decode_roofline
+from jaxrl_batch.aot import decode_roofline
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The seconds one compiled program takes on a chip, by a roofline: the compiler's flops and bytes accessed against
 the chip's matmul rate and memory bandwidth, plus the bytes its collectives send over the interconnect.
 
-Why: a step's time on hardware we do not have follows from the programs `train.aot` compiles for it. Collectives
+Why: a step's time on hardware we do not have follows from the programs `aot` compiles for it. Collectives
 are read from the optimized HLO text (`compiled.as_text()`), each with the bytes one chip sends by the ring costs
 (n chips per replica group): all-reduce 2 (n - 1) / n x its bytes, all-gather (n - 1) / n x the result's,
 reduce-scatter (n - 1) / n x the operand's, all-to-all (n - 1) / n x its bytes, collective-permute its bytes. A
@@ -22,7 +22,7 @@ import re
 from jaxrl_batch.predict import kernel_rates, kernels
 from jaxrl_batch.runtime import hlo_text as hlo
 from jaxrl_batch.runtime.topologies import Chip
-from jaxrl_batch.train import aot
+from jaxrl_batch import aot
 
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=(%?[\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
@@ -225,7 +225,7 @@ def program_time(compiled, rates: Rates) -> ProgramTime:
 
 
 def _peak_bytes(compiled) -> int | None:
-  """Arguments + outputs - aliases + temporaries per chip, as `train.aot` counts a program's peak."""
+  """Arguments + outputs - aliases + temporaries per chip, as `aot` counts a program's peak."""
   stats = compiled.memory_analysis()
   if stats is None:
     return None

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_batch.train import decode_roofline
+from jaxrl_batch.aot import decode_roofline
 
 
 def zeros(tree):

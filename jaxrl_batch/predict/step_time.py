@@ -1,4 +1,4 @@
-"""One RL step of a family member on a topology one does not have, predicted from the programs `train.aot` compiles.
+"""One RL step of a family member on a topology one does not have, predicted from the programs `aot` compiles.
 
 The target is a TPU topology (compile-only devices, the chip's published rates) or "cpu": this machine's CPU devices
 at the rates `sampling.roofline.measure_machine` measures (matmul and memory), which is how the model is checked
@@ -6,7 +6,7 @@ against measured throughput. A step's time, as the analysis's R counts it, is it
 forwards, its update and the host's reward scoring (not predicted: given, 0 by default). Each compiled program is
 timed by its roofline at the target's rates (`program_time`). The rollout follows the engine's own schedule of the
 step's requests at the given response lengths (`engine_time`); each of its decode steps is timed as the compiled
-step of the engine's rows with every slot live at that step's cache bucket (`train.decode_roofline.step`, compiled
+step of the engine's rows with every slot live at that step's cache bucket (`aot.decode_roofline.step`, compiled
 once per bucket; a paged cache at its whole pool), each prefill as the compiled prefill of the step's prompts, in
 proportion to its prompts. The static engine's blocks are timed by the same step at the block's rows. The compiler
 counts a loop's body once, so the update (a loop over micro-batches) counts its micro-batches times its program (the
@@ -29,7 +29,8 @@ from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling.roofline import measure_machine
-from jaxrl_batch.train import aot, decode_roofline
+from jaxrl_batch import aot
+from jaxrl_batch.aot import decode_roofline
 
 CPU = "cpu"  # The topology name of this machine's CPU devices.
 # Draws of a member's B lengths at least: a step waits for its longest response, the tail of B / G problems' lengths,

@@ -45,17 +45,30 @@ def separate_values(graphdef, params, tokens_BxT, valid_BxT, segment_ids_BxT=Non
   return align(model.head(hidden_BxTxD))
 
 
+def critic_module(policy_cfg: ModelConfig, share_backbone: bool, num_layers: int):
+  """The critic's module factory: a `ValueHead` on the policy's hidden states, or a `ValueModel` of its own."""
+  if share_backbone:
+    return lambda: ValueHead(policy_cfg.d_model, policy_cfg.weight_dtype, nnx.Rngs(0))
+  cfg = critic_model_config(policy_cfg, num_layers)
+  return lambda: ValueModel(cfg, nnx.Rngs(0))
+
+
 def init_critic(policy_cfg: ModelConfig, policy_params, share_backbone: bool, num_layers: int, mesh, rules):
   """(graphdef, params) of the critic, created sharded. A separate critic copies the base policy's embedding,
   final norm and first blocks; the head is zero."""
+  graphdef, params = sharding.create_sharded(critic_module(policy_cfg, share_backbone, num_layers), mesh, rules)
   if share_backbone:
-    return sharding.create_sharded(lambda: ValueHead(policy_cfg.d_model, policy_cfg.weight_dtype, nnx.Rngs(0)),
-                                   mesh, rules)
-  cfg = critic_model_config(policy_cfg, num_layers)
-  graphdef, params = sharding.create_sharded(lambda: ValueModel(cfg, nnx.Rngs(0)), mesh, rules)
+    return graphdef, params
   backbone = params["backbone"]
   backbone["embedding"] = policy_params["embedding"]
   backbone["final_norm"] = policy_params["final_norm"]
   backbone["blocks"] = {i: policy_params["blocks"][i] for i in backbone["blocks"]}
   # Copies, so that donating the critic's buffers in the update never invalidates the policy's.
   return graphdef, jax.tree.map(jnp.copy, params)
+
+
+def abstract_critic(policy_cfg: ModelConfig, policy_params, share_backbone: bool, num_layers: int, mesh, rules):
+  """`init_critic`'s (graphdef, params) as sharded structs (its copies of the policy's parameters keep their shapes
+  and shardings); `policy_params` is not read."""
+  del policy_params
+  return sharding.abstract_sharded(critic_module(policy_cfg, share_backbone, num_layers), mesh, rules)

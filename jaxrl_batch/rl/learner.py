@@ -17,6 +17,7 @@ from jaxrl_batch.rl.algorithm import AlgoConfig
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.rl.packing import Packing
 from jaxrl_batch.rl.forward import ModelDefs, logprobs_and_values, reference_cfg
+from jaxrl_batch.rl.noise_scale import needs_ids
 from jaxrl_batch.rl.update import update
 from jaxrl_batch.runtime import sharding, streams
 
@@ -90,13 +91,6 @@ def _mean_over_updates(history: list[dict]) -> dict:
   return out
 
 
-def needs_ids(cfg: AlgoConfig, group_size: int, mini_batch_size: int, num_micro: int, packing: Packing | None) -> bool:
-  """Whether the update gets each row's prompt and sample index (`update.update`'s ids_Bx2): for rl.noise_split, and
-  where micro-batches may split groups (shuffled mini-batches, packing, micro-batches not a multiple of the group
-  size), which the noise scale's estimate must know; elsewhere each micro-batch holds whole groups."""
-  return bool(cfg.noise_split or cfg.mini_batches > 1 or packing or (mini_batch_size // num_micro) % group_size)
-
-
 class Learner:
   """Turns rollouts into a `TrainBatch` and applies cfg.epochs x cfg.mini_batches updates to it."""
 
@@ -107,6 +101,26 @@ class Learner:
     self.cfg, self.models, self.mesh, self.packing = cfg, models, mesh, packing
     self.score_num_micro = score_num_micro
     self.group_size, self.mini_batch_size, self.num_micro, self.seed = group_size, mini_batch_size, num_micro, seed
+
+  @property
+  def with_ids(self) -> bool:
+    """Whether `update` gets each row's prompt and sample index (`needs_ids`)."""
+    return needs_ids(self.cfg, self.group_size, self.mini_batch_size, self.num_micro, self.packing)
+
+  def update_kwargs(self, train_actor: bool) -> dict:
+    """The static arguments of `rl.update.update` as `train` passes them (the compile-only check passes these)."""
+    return dict(models=self.models, cfg=self.cfg, num_micro=self.num_micro, train_actor=train_actor,
+                packing=self.packing)
+
+  def score_kwargs(self, reference: bool = False) -> dict:
+    """The static arguments of `rl.forward.logprobs_and_values` as `prepare` passes them: the policy's old
+    log-probs and the critic's values, or with `reference` the frozen reference policy's log-probs (no routing
+    replay, no critic)."""
+    if reference:
+      return dict(models=ModelDefs(self.models.graphdef), cfg=reference_cfg(self.cfg), packing=self.packing,
+                  num_micro=self.score_num_micro)
+    return dict(models=self.models, cfg=self.cfg, need_policy=self.cfg.old_logp == "trainer", packing=self.packing,
+                num_micro=self.score_num_micro)
 
   def orders(self, step: int, batch_size: int) -> list[np.ndarray]:
     """Host row orders of the step's mini-batches (epochs x mini_batches int32 arrays; none for one mini-batch): a
@@ -126,13 +140,12 @@ class Learner:
     gap). `rollouts`: a `rl.rollouts.Rollouts`; kl_coef: float32 device scalar."""
     cfg = self.cfg
     tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, rewards_B, experts = _from_rollouts(rollouts, mesh=self.mesh)
-    score = functools.partial(logprobs_and_values, tokens_BxT=tokens_BxT, valid_BxT=valid_BxT,
-                              loss_mask_BxT=mask_BxT, packing=self.packing, num_micro=self.score_num_micro)
-    trainer_logp_BxT, values_BxT = score(state["params"], state.get("critic"), experts_BxTxLxK=experts,
-                                         models=self.models, cfg=cfg, need_policy=cfg.old_logp == "trainer")
+    trainer_logp_BxT, values_BxT = logprobs_and_values(state["params"], state.get("critic"), tokens_BxT, valid_BxT,
+                                                       mask_BxT, experts, **self.score_kwargs())
     ref_logp_BxT = None
-    if cfg.use_kl:  # The frozen reference policy, without routing replay or critic.
-      ref_logp_BxT, _ = score(ref_params, None, models=ModelDefs(self.models.graphdef), cfg=reference_cfg(cfg))
+    if cfg.use_kl:
+      ref_logp_BxT, _ = logprobs_and_values(ref_params, None, tokens_BxT, valid_BxT, mask_BxT,
+                                            **self.score_kwargs(reference=True))
     return _assemble(tokens_BxT, valid_BxT, mask_BxT, sampler_logp_BxT, trainer_logp_BxT, ref_logp_BxT, values_BxT,
                      rewards_B, kl_coef, experts, cfg=cfg, group_size=self.group_size)
 
@@ -143,13 +156,11 @@ class Learner:
     averaged over the updates)."""
     cfg = self.cfg
     train_actor = step >= cfg.critic_warmup_steps
-    with_ids = needs_ids(cfg, self.group_size, self.mini_batch_size, self.num_micro, self.packing)
     ids = lambda rows=None: (_prompt_ids(rows, batch_size=batch.tokens_BxT.shape[0], group_size=self.group_size)
-                             if with_ids else None)
+                             if self.with_ids else None)
     minis = [(_take_rows(batch, rows, mesh=self.mesh), ids(rows)) for rows in orders] or [(batch, ids())] * cfg.epochs
     history = []
     for mini, mini_ids in minis:
-      state, metrics = update(state, mini, kl_coef, mini_ids, models=self.models, cfg=cfg, num_micro=self.num_micro,
-                              train_actor=train_actor, packing=self.packing)
+      state, metrics = update(state, mini, kl_coef, mini_ids, **self.update_kwargs(train_actor))
       history.append(metrics)
     return state, _mean_over_updates(history)

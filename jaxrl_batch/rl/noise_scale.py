@@ -28,13 +28,23 @@ the rows of one prompt that the mini-batch holds (with rl.mini_batches > 1, a pa
   batch's noise is A / P + C / (P G), so B_simple = G B_inter + B_intra rollouts.
 
 The per-update estimates are unbiased but noisy; the ratios are taken after exponential moving averages, as the
-paper recommends.
+paper recommends (`NoiseScale`, whose `row` gives a step's row fields).
+
+The update meets all of this through one `Estimator` (`estimator(cfg, ids, train_actor)`): which of the three
+applies (none while the actor is frozen), the loss weights' signed variant, each micro-batch's gradients and its
+parts of the estimate, and the estimates at the end. `needs_ids` says where the update must get prompt ids.
 """
 import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import optax
+
+from jaxrl_batch.rl import objective as objective_lib
+from jaxrl_batch.rl.algorithm import AlgoConfig
+from jaxrl_batch.rl.objective import LossWeights, Terms
+from jaxrl_batch.rl.packing import Packing
 
 
 def _safe_div(num, den):
@@ -125,6 +135,83 @@ def from_signed_gradients(sq_3, u_B, prompt_B, sample_B) -> dict:
   return dict(noise_signal_sq=signal_sq, noise_inter_trace=inter, noise_intra_trace=intra)
 
 
+def needs_ids(cfg: AlgoConfig, group_size: int, mini_batch_size: int, num_micro: int, packing: Packing | None) -> bool:
+  """Whether the update gets each row's prompt and sample index (`rl.update.update`'s ids_Bx2): for rl.noise_split,
+  and where micro-batches may split groups (shuffled mini-batches, packing, micro-batches not a multiple of the group
+  size), which the estimate must know; elsewhere each micro-batch holds whole groups."""
+  return bool(cfg.noise_split or cfg.mini_batches > 1 or packing or (mini_batch_size // num_micro) % group_size)
+
+
+def signed_losses(terms: Terms, weights: LossWeights, kl_coef, cfg: AlgoConfig) -> list[jax.Array]:
+  """The two signed variants of the loss (`rl.objective` under `weights.signed_BxTx2`) whose gradients' norms split
+  the noise scale: the rollouts' terms with signed weights, without the load-balancing loss (not a sum over
+  rollouts)."""
+  terms = terms._replace(router_aux=None)
+  return [objective_lib.objective(terms, weights.signed_BxTx2[..., k], kl_coef, cfg)[0] for k in range(2)]
+
+
+WHOLE_GROUPS, SPLIT_GROUPS, SIGNED = "whole_groups", "split_groups", "signed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+  """The estimate one update makes: `from_micro_batches` (WHOLE_GROUPS), `from_split_micro_batches` (SPLIT_GROUPS:
+  micro-batches may split groups, `ids_Bx2[:, 0]` the prompt ids) or `from_signed_gradients` (SIGNED:
+  rl.noise_split); kind None (the actor frozen) makes none. The update weights its loss by `weights`,
+  differentiates each micro-batch by `micro_batch` and sums what it returns, and adds `metrics` to its own."""
+
+  kind: str | None
+  ids_Bx2: jax.Array | None = None  # int32 prompt id and index in its group of each row
+
+  def weights(self, weights: LossWeights) -> LossWeights:
+    """`weights` with, for SIGNED, w_t times the two `signs` of the token's rollout (signed_BxTx2)."""
+    if self.kind != SIGNED:
+      return weights
+    return weights._replace(signed_BxTx2=weights.loss_BxT[:, :, None] * signs(*self.ids_Bx2.T)[:, None, :])
+
+  def micro_batch(self, loss_fn, trainable, weights: LossWeights, i, num_slots: int) -> tuple[tuple, tuple]:
+    """((loss, aux, grads) of `loss_fn(trainable)`, parts) for micro-batch i of num_slots, `weights` its weights;
+    both summed over the micro-batches. parts: WHOLE_GROUPS its actor |g_i|^2 and U_i^2 (U_i: its weight sum),
+    SPLIT_GROUPS |g_i|^2 and U_i at slot i of num_slots, SIGNED the signed actor gradients (2, ...), else none."""
+    if self.kind == SIGNED:
+      loss_3, vjp_fn, aux = jax.vjp(loss_fn, trainable, has_aux=True)
+      # One backward pass per cotangent: jit(vmap(vjp_fn)) miscomputed the signed rows on XLA:CPU (jax 0.10.2).
+      (grads,), *signed = [vjp_fn(e) for e in jnp.eye(3, dtype=loss_3.dtype)]
+      return (loss_3[0], aux, grads), jax.tree.map(lambda *g: jnp.stack(g), *(ct[0][0] for ct in signed))
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    if self.kind is None:
+      return (loss, aux, grads), ()
+    sq, u = optax.tree.norm(grads[0], squared=True), jnp.sum(weights.loss_BxT)
+    if self.kind == SPLIT_GROUPS:
+      return (loss, aux, grads), tuple(jnp.zeros((num_slots,), x.dtype).at[i].set(x) for x in (sq, u))
+    return (loss, aux, grads), (sq, u**2)
+
+  def metrics(self, grad_sq, parts, weights: LossWeights, micro_B) -> dict:
+    """The update's estimates from the actor's |g|^2, the summed `micro_batch` parts, the mini-batch's weights and
+    each row's micro-batch index."""
+    u_B = weights.loss_BxT.sum(axis=1)
+    if self.kind == SIGNED:
+      signed_sq = [optax.tree.norm(jax.tree.map(lambda g: g[k], parts), squared=True) for k in (0, 1)]
+      return from_signed_gradients(jnp.stack([grad_sq, *signed_sq]), u_B, *self.ids_Bx2.T)
+    if self.kind == SPLIT_GROUPS:
+      return from_split_micro_batches(grad_sq, *parts, u_B, self.ids_Bx2[:, 0], micro_B)
+    if self.kind == WHOLE_GROUPS:
+      return from_micro_batches(grad_sq, *parts, jnp.sum(u_B), jnp.sum(u_B**2))
+    return {}
+
+
+def estimator(cfg: AlgoConfig, ids_Bx2, train_actor: bool) -> Estimator:
+  """The update's `Estimator`: none while the actor is frozen, SIGNED with rl.noise_split (which needs `ids_Bx2`),
+  SPLIT_GROUPS with prompt ids (`needs_ids`: micro-batches may split groups), else WHOLE_GROUPS."""
+  if not train_actor:
+    return Estimator(None)
+  if cfg.noise_split:
+    if ids_Bx2 is None:
+      raise ValueError("rl.noise_split needs each row's prompt id and index in its group (ids_Bx2).")
+    return Estimator(SIGNED, ids_Bx2)
+  return Estimator(WHOLE_GROUPS if ids_Bx2 is None else SPLIT_GROUPS, ids_Bx2)
+
+
 @dataclasses.dataclass
 class NoiseScale:
   """Running noise scales: EMAs (decay `decay`) of the per-update estimates, folded in once per step; a NaN estimate
@@ -159,3 +246,10 @@ class NoiseScale:
     inter, intra = ratio(self.inter), ratio(self.intra)
     return dict(noise_scale=None if inter is None else group_size * inter + intra, noise_inter=inter,
                 noise_intra=intra)
+
+  def row(self, metrics: dict, group_size: int, split: bool) -> dict:
+    """The row's fields of a step's fetched metrics: noise_scale and, with `split` (rl.noise_split), noise_inter and
+    noise_intra as `update` gives them; each None where the step made no estimate (the actor frozen)."""
+    if "noise_signal_sq" not in metrics:
+      return dict.fromkeys(("noise_scale", "noise_inter", "noise_intra") if split else ("noise_scale",))
+    return self.update(metrics, group_size)

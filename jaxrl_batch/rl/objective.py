@@ -9,8 +9,6 @@
   H_t   = the policy's entropy; L_aux = the MoE load-balancing loss; vl_t = the clipped value loss (PPO).
 w_t are the configured aggregation's weights (`losses.token_weights`, counts over the whole mini-batch, so that
 micro-batch losses sum to the mini-batch's). Logged means use token-mean weights, whatever the aggregation.
-
-`signed_losses` is the noise scale's opt-in (`rl.noise_split`): the same loss with each rollout's weights signed.
 """
 from typing import NamedTuple
 
@@ -26,7 +24,7 @@ from jaxrl_batch.rl.forward import Outputs
 
 class LossWeights(NamedTuple):
   """Per-token loss weights: w_t of the configured aggregation, the token mean for logged means, and with
-  rl.noise_split w_t times the two signs of the token's rollout (`noise_scale.signs`)."""
+  rl.noise_split w_t times the two signs of the token's rollout (`noise_scale.Estimator.weights`)."""
   loss_BxT: jax.Array
   token_BxT: jax.Array
   signed_BxTx2: jax.Array | None = None
@@ -56,13 +54,6 @@ def objective(terms: Terms, w_BxT, kl_coef, cfg: AlgoConfig) -> tuple[jax.Array,
     parts["value_loss"] = wsum(terms.value_BxT)
     loss = loss + cfg.vf_coef * parts["value_loss"]
   return loss, parts
-
-
-def signed_losses(terms: Terms, weights: LossWeights, kl_coef, cfg: AlgoConfig) -> list[jax.Array]:
-  """The two signed variants of the loss whose gradients' norms split the noise scale (`noise_scale`): the
-  rollouts' terms with signed weights, without the load-balancing loss (not a sum over rollouts)."""
-  terms = terms._replace(router_aux=None)
-  return [objective(terms, weights.signed_BxTx2[..., k], kl_coef, cfg)[0] for k in range(2)]
 
 
 def terms_and_diagnostics(out: Outputs, micro: TrainBatch, token_BxT, cfg: AlgoConfig,

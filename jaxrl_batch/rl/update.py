@@ -1,7 +1,7 @@
 """One optimizer step of the actor (and critic) on a mini-batch: the loss of `rl.objective`, its gradient
-accumulated over micro-batches (padded slices of the rows, or packed rows with `rl.packing`), and the per-update
-gradient noise-scale estimates (`rl.noise_scale`) from the micro-batches' gradients or, opt-in (rl.noise_split),
-from two signed variants of the loss differentiated alongside.
+accumulated over micro-batches (padded slices of the rows, or packed rows with `rl.packing`), the optimizer steps,
+and the metrics, with the per-update gradient noise-scale estimates of the `rl.noise_scale.Estimator` (which
+collects its parts as the micro-batches are differentiated).
 
 A mixture-of-experts policy replays the sampler's routing (`TrainBatch.experts_BxTxLxK`) when
 `model.routing_replay`, and logs `expert_load_cv`, `router_aux_loss` and, where the sampler recorded its routing,
@@ -38,7 +38,7 @@ def micro_loss(trainable, micro: TrainBatch, weights: LossWeights, kl_coef, mode
   terms, aux = objective_lib.terms_and_diagnostics(out, micro, weights.token_BxT, cfg, num_micro)
   loss, parts = objective_lib.objective(terms, weights.loss_BxT, kl_coef, cfg)
   if weights.signed_BxTx2 is not None:
-    loss = jnp.stack([loss, *objective_lib.signed_losses(terms, weights, kl_coef, cfg)])
+    loss = jnp.stack([loss, *noise_lib.signed_losses(terms, weights, kl_coef, cfg)])
   return loss, {**aux, **parts}
 
 
@@ -61,40 +61,25 @@ def packed(batch: TrainBatch, weights: LossWeights, packing: packing_lib.Packing
   return micro_batches, plan.num_micro, micro_B
 
 
-def _weights(batch: TrainBatch, cfg: AlgoConfig, signs_Bx2=None) -> LossWeights:
+def _weights(batch: TrainBatch, cfg: AlgoConfig) -> LossWeights:
   if cfg.loss_agg == "constant" and cfg.loss_agg_constant <= 0:
     raise ValueError("loss_agg='constant' needs cfg.loss_agg_constant > 0; `train.setup` sets its default, the "
                      "response budget in tokens.")
   loss_BxT = losses.token_weights(batch.loss_mask_BxT, cfg.loss_agg, cfg.loss_agg_constant)
-  signed = None if signs_Bx2 is None else loss_BxT[:, :, None] * signs_Bx2[:, None, :]
-  return LossWeights(loss_BxT, losses.token_weights(batch.loss_mask_BxT, "token_mean"), signed)
+  return LossWeights(loss_BxT, losses.token_weights(batch.loss_mask_BxT, "token_mean"))
 
 
-def _accumulate(trainable, micro_batches, count, loss_fn, split: bool, per_micro: bool):
-  """((loss, aux, grads) summed over the first `count` micro-batches, noise parts): the micro-batches' actor
-  sum_i |g_i|^2 and sum_i U_i^2 (U_i: the micro-batch's weight sum), or with `per_micro` each |g_i|^2 and U_i (M
-  each), or with `split` the signed actor gradients (2, ...) summed."""
-  def micro_grads(micro_and_weights):
-    if not split:
-      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, *micro_and_weights)
-      sq, u = optax.tree.norm(grads[0], squared=True), jnp.sum(micro_and_weights[1].loss_BxT)
-      return (loss, aux, grads), ((sq, u) if per_micro else (sq, u**2))
-    loss_3, vjp_fn, aux = jax.vjp(lambda t: loss_fn(t, *micro_and_weights), trainable, has_aux=True)
-    # One backward pass per cotangent: jit(vmap(vjp_fn)) miscomputed the signed rows on XLA:CPU (jax 0.10.2).
-    (grads,), *signed = [vjp_fn(e) for e in jnp.eye(3, dtype=loss_3.dtype)]
-    return (loss_3[0], aux, grads), jax.tree.map(lambda *g: jnp.stack(g), *(ct[0][0] for ct in signed))
+def _accumulate(trainable, micro_batches, count, loss_fn, noise: noise_lib.Estimator):
+  """((loss, aux, grads), noise parts) summed over the first `count` micro-batches, each differentiated by the
+  noise estimator (`noise_scale.Estimator.micro_batch`)."""
+  num_slots = len(micro_batches[0].tokens_BxT)
 
-  def body(i, carry):
-    summed, noise = carry
-    step, parts = micro_grads(jax.tree.map(lambda x: x[i], micro_batches))
-    noise = [n.at[i].set(p) for n, p in zip(noise, parts)] if per_micro else jax.tree.map(jnp.add, noise, parts)
-    return jax.tree.map(jnp.add, summed, step), noise
+  def micro_step(i):
+    micro, weights = jax.tree.map(lambda x: x[i], micro_batches)
+    return noise.micro_batch(lambda t: loss_fn(t, micro, weights), trainable, weights, i, num_slots)
 
-  shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro_batches))
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  if per_micro:
-    zeros = (zeros[0], [jnp.zeros((len(micro_batches[0].tokens_BxT),), s.dtype) for s in zeros[1]])
-  return jax.lax.fori_loop(0, count, body, zeros)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro_step, 0))
+  return jax.lax.fori_loop(0, count, lambda i, summed: jax.tree.map(jnp.add, summed, micro_step(i)), zeros)
 
 
 @functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro", "train_actor", "packing"),
@@ -104,7 +89,8 @@ def update(state: dict, batch: TrainBatch, kl_coef, ids_Bx2=None, *, models: Mod
   """One optimizer step of the actor (if `train_actor`) and the critic (if cfg.critic) on the mini-batch `batch`.
 
   state: dict(params, opt_state[, critic, critic_opt_state]); params holding LoRA adapters train only those
-  (`model.lora`: opt_state is theirs, grad_norm and the noise scale are of their gradient). kl_coef: float32 scalar (traced: it may adapt).
+  (`model.lora`: opt_state is theirs, grad_norm and the noise scale are of their gradient).
+  kl_coef: float32 scalar (traced: it may adapt).
   ids_Bx2: int32 prompt id (any numbering) and index in its group of each row; None: each row its own prompt.
   Micro-batches: `num_micro` slices of the rows, or with `packing` the sequences packed into rows of a fixed length
   (as many micro-batches as they fill, a device scalar). Micro-batch losses are normalised by counts of the whole
@@ -112,37 +98,26 @@ def update(state: dict, batch: TrainBatch, kl_coef, ids_Bx2=None, *, models: Mod
   scale's estimates: from the micro-batches' gradients, or with rl.noise_split (which needs `ids_Bx2`) from the
   signed gradients (the backward pass runs for three cotangents).
   """
-  split = cfg.noise_split and train_actor
-  if split and ids_Bx2 is None:
-    raise ValueError("rl.noise_split needs each row's prompt id and index in its group (ids_Bx2).")
-  weights = _weights(batch, cfg, noise_lib.signs(*ids_Bx2.T) if split else None)
-  u_B = weights.loss_BxT.sum(axis=1)
+  noise = noise_lib.estimator(cfg, ids_Bx2, train_actor)
+  weights = noise.weights(_weights(batch, cfg))
   if packing is None:
+    rows = batch.tokens_BxT.shape[0]
     micro_batches, count = split_micro_batches((batch, weights), num_micro), num_micro
-    micro_B = jnp.arange(u_B.shape[0]) // (u_B.shape[0] // num_micro)
+    micro_B = jnp.arange(rows) // (rows // num_micro)  # each row's micro-batch
   else:
     micro_batches, count, micro_B = packed(batch, weights, packing)
   params = state["params"]
   loss_fn = functools.partial(_on_trained, params=params, kl_coef=kl_coef, models=models, cfg=cfg,
                               train_actor=train_actor, num_micro=jnp.asarray(count, jnp.float32))
   trainable = (lora.trainable(params), state.get("critic"))
-  per_micro = not split and ids_Bx2 is not None  # micro-batches may split groups (`rl.learner.needs_ids`)
-  (loss, aux, (policy_grads, critic_grads)), noise = _accumulate(trainable, micro_batches, count, loss_fn, split,
-                                                                 per_micro)
+  (loss, aux, (policy_grads, critic_grads)), parts = _accumulate(trainable, micro_batches, count, loss_fn, noise)
   state = dict(state)
   metrics = dict(routing_lib.logged(aux), loss=loss, num_tokens=jnp.sum(batch.loss_mask_BxT))
   if train_actor:
     updates, state["opt_state"] = models.actor_tx.update(policy_grads, state["opt_state"], trainable[0])
     state["params"] = lora.with_trained(params, optax.apply_updates(trainable[0], updates))
     grad_sq = optax.tree.norm(policy_grads, squared=True)
-    metrics.update(grad_norm=jnp.sqrt(grad_sq))
-    if split:
-      signed_sq = [optax.tree.norm(jax.tree.map(lambda g: g[k], noise), squared=True) for k in (0, 1)]
-      metrics.update(noise_lib.from_signed_gradients(jnp.stack([grad_sq, *signed_sq]), u_B, *ids_Bx2.T))
-    elif per_micro:
-      metrics.update(noise_lib.from_split_micro_batches(grad_sq, *noise, u_B, ids_Bx2[:, 0], micro_B))
-    else:
-      metrics.update(noise_lib.from_micro_batches(grad_sq, *noise, jnp.sum(u_B), jnp.sum(u_B**2)))
+    metrics.update(grad_norm=jnp.sqrt(grad_sq), **noise.metrics(grad_sq, parts, weights, micro_B))
   if cfg.critic:
     updates, state["critic_opt_state"] = models.critic_tx.update(critic_grads, state["critic_opt_state"],
                                                                  state["critic"])

@@ -1,5 +1,5 @@
 """Reading XLA's compiled HLO text (`compiled.as_text()`): the bytes of an array type, an instruction's parts, and what
-a fused computation reads of its parameters. Why: `kernels`, `program_time` and `train.decode_roofline` all count bytes
+a fused computation reads of its parameters. Why: `kernels`, `program_time` and `aot.decode_roofline` all count bytes
 from that text; one reader keeps their counts the same.
 """
 import base64

@@ -2,7 +2,7 @@
 
 `compile_only("v5p:2x2x1")` returns abstract TPU devices (nothing runs on them): a mesh built over them lowers and
 compiles real TPU executables on any machine where libtpu is installed (`pip install "jax[tpu]"`), even one that
-runs JAX on its CPU (`JAX_PLATFORMS=cpu`). `train.aot` compiles the trainer's programs this way.
+runs JAX on its CPU (`JAX_PLATFORMS=cpu`). `aot` compiles the trainer's programs this way.
 
 GPU nodes the same way: `compile_only("h100:8", num_slices=2)` (or `compile_only_gpu("h100", 8, num_nodes=2)`)
 returns compile-only CUDA devices of 2 nodes of 8 H100s, from the JAX CUDA plugin (`pip install -e '.[cuda_aot]'`,

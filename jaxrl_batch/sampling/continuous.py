@@ -117,7 +117,7 @@ def _row_keys(key, uid_S, index_S):
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def prefill_prompts(graphdef, params, prompt_QxP, valid_QxP) -> Prefix:
   """The engine's prefill program: the Q prompts' keys/values and each one's last-position logits, in one batch
-  (`train.aot` compiles it: programs `prefill` and `eval_fill`)."""
+  (`aot` compiles it: programs `prefill` and `eval_fill`)."""
   model = nnx.merge(graphdef, params)
   q, p = prompt_QxP.shape
   valid_QxP = valid_QxP.astype(bool)
@@ -179,7 +179,7 @@ def slots_starter(slots: int, length: int, layers: int, row_sharding, pages: int
   """`_start` jitted for a model of `layers` layers (`moe`: with MoE layers), its outputs' leading axes laid out
   by `row_sharding` (if given; a paged cache lives on one device and takes none) and the slot cache's `heads` (the
   prefix cache's, `model.kv_cache.cache_heads`) over `tensor` where they split (`model.kv_cache.layer_sharding`).
-  `train.aot` compiles it for the layout of the chunks' slots and outputs."""
+  `aot` compiles it for the layout of the chunks' slots and outputs."""
   start = functools.partial(_start, slots=slots, length=length, pages=pages, page_size=page_size)
   if row_sharding is None or page_size:
     return jax.jit(start)
@@ -295,7 +295,7 @@ def resume_slots(graphdef, params, state: Slots, outputs: Outputs, prefix: Prefi
   earlier call, or preempted), re-prefilled under `params`: its prompt's prefix, then its first count - 1 tokens
   (count - 1 <= fed) written at slots P..P + fed - 1 (the last one chosen is fed by the next decode step). The
   other slots are untouched. The cache must hold P + fed slots: a paged one through own pages `own_SxM`.
-  (`train.aot` compiles it: program `reprefill`.)"""
+  (`aot` compiles it: program `reprefill`.)"""
   model = nnx.merge(graphdef, params)
   s, p = resume_S.shape[0], prefix.valid_QxP.shape[1]
   resumed_S = resume_S >= 0
@@ -326,7 +326,7 @@ def decode_token(model, slots: Slots, uid_S, key, *, p: int, sampling: Strategy,
   """The engine's work per token: the model's cached one-token step over each live slot's span (a finished or free
   slot writes the cache's idle slot and reads nothing), then the token choice by `sampling`, each row's key folded
   from its request's `uid_S` and its count. `p`: the cache's prompt slots; `backend`: resolved. Returns (cache,
-  token_S, logp_S, experts_Sx1xLxK). `decode_chunk` runs it per token and `train.decode_roofline` compiles it alone."""
+  token_S, logp_S, experts_Sx1xLxK). `decode_chunk` runs it per token and `aot.decode_roofline` compiles it alone."""
   slot_S = jnp.where(slots.live_S, p + slots.count_S - 1, slots.cache.idle_slot)
   span = DecodeSpan(slots.start_S, jnp.where(slots.live_S, slot_S + 1, 0))
   logits_Sx1xV, cache, experts_Sx1xLxK = model.step(slots.token_S[:, None], slots.position_S[:, None], span,
@@ -342,7 +342,7 @@ def decode_chunk(graphdef, params, state: Slots, outputs: Outputs, prefix: Prefi
   """Admits `admit_S` (a paged cache's slots then hold own pages `own_SxM`), then runs up to `steps` decode steps
   of the live slots, choosing tokens by `sampling` (`attention_backend` as `EngineSettings`'). Returns (state,
   outputs, steps run, tokens decoded), the last two int32 scalars. The program the host runs per chunk
-  (`train.aot` compiles it: programs `decode` and `eval`)."""
+  (`aot` compiles it: programs `decode` and `eval`)."""
   model = nnx.merge(graphdef, params)
   backend = resolved_backend(attention_backend)
   state, outputs = jax.lax.cond(

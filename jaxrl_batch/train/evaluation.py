@@ -87,7 +87,7 @@ def sampled_metrics(rewards_PxK: np.ndarray, answers_PxK: Sequence[Sequence[Hash
 
 def engine_for(exp: Experiment, settings: EvalConfig) -> EngineSettings:
   """The run's engine as both passes decode with it: `settings.slots` per device on every data-parallel device
-  (`train.aot` compiles the greedy pass). Each pass chooses tokens at its temperature, with no top-k / top-p."""
+  (`aot` compiles the greedy pass). Each pass chooses tokens at its temperature, with no top-k / top-p."""
   slots = settings.slots * data_parallel_size(exp.mesh)
   return dataclasses.replace(exp.engine, slots=slots)
 

@@ -42,7 +42,7 @@ from jaxrl_batch.train.step_row import RolloutStats, group_zero_std_frac, traine
 def capacity(slots: int, batch_size: int, num_prompts: int, lookahead: int) -> tuple[int, int]:
   """(requests, prompt rows) of one engine call: the carried sequences (at most `slots`, each with a prompt row of
   its own) and new requests of up to lookahead + 1 prompt steps (B requests, P prompt rows each). Fixed shapes:
-  one program per run (`train.aot` compiles them)."""
+  one program per run (`aot` compiles them)."""
   return slots + (lookahead + 1) * batch_size, slots + (lookahead + 1) * num_prompts
 
 

@@ -110,12 +110,19 @@ class Experiment:
     overhead = len(tokenizer.encode(chat_template_lib.render_prompt(chat, ""))) + 4 if chat else 0
     prompt_len = len(tokenizer.bos_ids) + task.max_prompt_len(tokenizer) + overhead
     response_len = task.max_answer_len(tokenizer) + config.extra_response_tokens
-    if member.algo.loss_agg == "constant" and not member.algo.loss_agg_constant:  # Its one default: the budget.
+    return cls.of_lengths(config, member, mesh, prompt_len, response_len, tokenizer, task,
+                          tasks.make_scorer(task, config.task), chat)
+
+  @classmethod
+  def of_lengths(cls, config: ml_collections.ConfigDict, member: family.Member, mesh, prompt_len: int,
+                 response_len: int, tokenizer=None, task=None, scorer=None, chat=None) -> "Experiment":
+    """The `Experiment` of a step of these token lengths: what derives from them (loss_agg='constant''s one
+    default, the response budget; the packing) is derived here, for `create` and the compile-only check alike."""
+    if member.algo.loss_agg == "constant" and not member.algo.loss_agg_constant:
       member = dataclasses.replace(member, algo=dataclasses.replace(member.algo, loss_agg_constant=float(response_len)))
-    return cls(config, member, mesh, tokenizer, task, tasks.make_scorer(task, config.task), model_cfg, prompt_len,
-               response_len, chat, packing_for(config.micro_batch_tokens, prompt_len + response_len,
-                                               sharding.data_parallel_size(mesh)),
-               lora_lib.LoRAConfig.from_config(config.lora))
+    packing = packing_for(config.micro_batch_tokens, prompt_len + response_len, sharding.data_parallel_size(mesh))
+    return cls(config, member, mesh, tokenizer, task, scorer, ModelConfig.from_config(config.model), prompt_len,
+               response_len, chat, packing, lora_lib.LoRAConfig.from_config(config.lora))
 
   def _module_fn(self, seed: int, adapters: bool = False):
     return lambda: Transformer(self.model_cfg, nnx.Rngs(seed), lora=self.lora if adapters else None)

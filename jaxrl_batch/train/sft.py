@@ -210,6 +210,9 @@ def _load_or_train(exp: Experiment, directory: str, stop_signal):
       logging.info("No cached base policy at %s: training it first (SFT, %d steps).", directory,
                    exp.config.sft.steps)
       graphdef, params, accuracy = train(exp, stop_signal)
+      # In the layout a restore gives (the trainer's outputs may name the same layout otherwise: size-1 mesh axes
+      # left out), so that a run holds the same arrays whether it trained its base or found it cached.
+      params = jax.device_put(params, jax.tree.map(lambda s: s.sharding, abstract))
       ckpt.save(0, params, dict(eval_accuracy=accuracy, sft=exp.config.sft.to_dict(), tokenizer=exp.tokenizer.path))
   finally:
     ckpt.close()  # The save completes; also when a signal stopped the training.

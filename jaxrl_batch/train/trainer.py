@@ -25,18 +25,14 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxrl_batch.config.optim import make_optimizer
 from jaxrl_batch.model import compute_copy
 from jaxrl_batch.model import lora as lora_lib
-from jaxrl_batch.rl.critic import init_critic
-from jaxrl_batch.rl.forward import ModelDefs
 from jaxrl_batch.rl.kl_control import KLController
-from jaxrl_batch.rl.learner import Learner
 from jaxrl_batch.rl.noise_scale import NoiseScale
 from jaxrl_batch.runtime import compile_clock, disk_space, sharding, streams, transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite, saved_steps
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
-from jaxrl_batch.train import branch, collectors, evaluation, rundir, samples_log, sft, step_row, writers
+from jaxrl_batch.train import branch, collectors, evaluation, rundir, samples_log, sft, step_builder, step_row, writers
 from jaxrl_batch.train.async_collector import AsyncCollector
 from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.workdir_lock import WorkdirLock
@@ -75,10 +71,7 @@ class Trainer:
     self.exp, self.collector = collectors.build(config, devices)
     self.member = m = self.exp.member
     self.algo = m.algo
-    self.optimizer = make_optimizer(config.optim, m.batch_size, m.sample_budget, m.updates_per_step,
-                                    (m.actor_lr, m.actor_adam))
-    self.critic_optimizer = (make_optimizer(config.critic.optim, m.batch_size, m.sample_budget, m.updates_per_step,
-                                            (m.critic_lr, m.critic_adam)) if self.algo.critic else None)
+    self.optimizer, self.critic_optimizer = step_builder.optimizers(self.exp)
     self.noise_scale = NoiseScale()  # Restarts on resume: an EMA, not part of the training state.
     self.samples_log = samples_log.SamplesLog(self.workdir, config.log_samples_max_chars)
     evaluation.EvalConfig.from_config(config)  # A malformed `eval` group fails here, before the warm start.
@@ -86,8 +79,8 @@ class Trainer:
     self.lock = WorkdirLock(self.workdir)
     self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
     self.checkpointer: Checkpointer | None = None  # Opened by `run`, with the base policy and the learner.
-    self.graphdef = self.ref_params = self.learner = None
-    self._pending = None  # (counters, RolloutStats, timing, device metrics) of a step: its row, once fetched.
+    self.graphdef = self.ref_params = self.learner = self.parts = None  # `start`: the step's parts (`step_builder`)
+    self._pending = None  # (Progress, RolloutStats, Timing, device metrics) of a step: its row, once fetched.
     self._last_row = {}
     self._warned_uniform = False
     self._failed_reward_steps = 0  # Consecutive steps whose every sample's reward failed (`_check_rewards`).
@@ -118,7 +111,7 @@ class Trainer:
   # -- one step --------------------------------------------------------------------------------------------------
 
   def _train_step(self, state: dict, step: int):
-    """Collect, prepare, update. Returns (state, the step's `RolloutStats`, timing fields, device metrics)."""
+    """Collect, prepare, update. Returns (state, the step's `RolloutStats`, its `step_row.Timing`, device metrics)."""
     learner, start, compiled = self.learner, time.time(), compile_clock.seconds()
     rollouts, stats = self.collector.collect(self.graphdef, state["params"], step)
     self._flush()  # The previous step's metrics: computed by now, fetched one step late.
@@ -132,13 +125,14 @@ class Trainer:
       state, out = learner.train(state, batch, orders, step, kl_coef)
     state = jax.block_until_ready(state)
     actor_updates = max(step - self.algo.critic_warmup_steps, 0) * self.member.updates_per_step
-    timing = dict(update_s=time.time() - t0, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef,
-                  compile_s=compile_clock.seconds() - compiled)
+    update_s, overlap_frac = time.time() - t0, None
     if isinstance(self.collector, AsyncCollector):
       # Generation (of a later step) and the update ran at once for this share of the step's wall time.
       step_s = time.time() - start
-      busy = stats.rollout_s + stats.reward_s + timing["update_s"]
-      timing["overlap_frac"] = min(max((busy - step_s) / step_s, 0.0), 1.0)
+      busy = stats.rollout_s + stats.reward_s + update_s
+      overlap_frac = min(max((busy - step_s) / step_s, 0.0), 1.0)
+    timing = step_row.Timing(update_s=update_s, lr=self.optimizer.lr_at(actor_updates), kl_coef=self.kl.coef,
+                             compile_s=compile_clock.seconds() - compiled, overlap_frac=overlap_frac)
     # prepare's figures over the update's: its logp_gap_mean (trainer log-probs recomputed) over the first update's.
     return state, stats, timing, dict(out, **prepared)
 
@@ -152,11 +146,13 @@ class Trainer:
     checked = [out["loss"]] + ([out["grad_norm"]] if "grad_norm" in out else [])
     if not all(np.isfinite(checked)):
       raise FloatingPointError(
-          f"Non-finite loss ({out['loss']}) or gradient norm ({out.get('grad_norm')}) at step {counters['step']}. "
+          f"Non-finite loss ({out['loss']}) or gradient norm ({out.get('grad_norm')}) at step {counters.step}. "
           + self._nan_advice())
     out = {k: float(v) for k, v in out.items()}
-    row = step_row.training_row(counters, stats, timing, out, self._noise_scale(out), self.member.updates_per_step)
-    self.kl.update(row["kl"], stats.trained_samples)
+    update = step_row.UpdateMetrics.from_fetched(out, self.member.updates_per_step)
+    noise = step_row.Noise.of(self.noise_scale.row(out, self.member.group_size, self.algo.noise_split))
+    row = step_row.training_row(counters, stats, timing, noise, update)
+    self.kl.update(update.kl, stats.trained_samples)
     self._warn_if_uniform(row)
     self.metrics.write(row)
     self._last_row = row
@@ -213,16 +209,6 @@ class Trainer:
             f"config> --workdir=<new dir> --branch_from={self.workdir} --config.optim.base_lr=<lower> (or "
             "--config.optim.grad_clip=<tighter>).")
 
-  def _noise_scale(self, out) -> dict:
-    """noise_scale (B_simple in rollouts, an EMA over steps; `rl.noise_scale`) and, with rl.noise_split, its
-    noise_inter (prompts) and noise_intra (rollouts) parts; None while the actor is frozen or without an estimate
-    (one micro-batch and no split)."""
-    keys = ("noise_scale", "noise_inter", "noise_intra") if self.algo.noise_split else ("noise_scale",)
-    if "noise_signal_sq" not in out:
-      return dict.fromkeys(keys)
-    estimates = {k: v for k, v in out.items() if k.startswith("noise_")}
-    return self.noise_scale.update(estimates, self.member.group_size)
-
   # -- the loop --------------------------------------------------------------------------------------------------
 
   def _reference(self, state: dict):
@@ -231,25 +217,6 @@ class Trainer:
     if not self.algo.use_kl or self.exp.lora is None:
       return self.ref_params
     return lora_lib.base_policy(state["params"])
-
-  def _initial_state(self, policy) -> dict:
-    """The training state at step 0: the policy, its critic, and optimizer states for what trains (with adapters,
-    the adapters only: `lora.trainable`)."""
-    exp, m = self.exp, self.member
-    state, critic_graphdef = dict(params=policy), None
-    if self.algo.critic:
-      critic_graphdef, state["critic"] = init_critic(exp.model_cfg, lora_lib.split(policy)[1], self.algo.share_backbone,
-                                                     self.algo.critic_layers, exp.mesh, self.config.sharding_rules)
-    with jax.set_mesh(exp.mesh):
-      state["opt_state"] = self.optimizer.tx.init(lora_lib.trainable(policy))
-      if self.algo.critic:
-        state["critic_opt_state"] = self.critic_optimizer.tx.init(state["critic"])
-    models = ModelDefs(self.graphdef, self.optimizer.tx, critic_graphdef,
-                       self.critic_optimizer.tx if self.critic_optimizer else None)
-    self.learner = Learner(self.algo, models, group_size=m.group_size, mini_batch_size=m.mini_batch_size,
-                           num_micro=m.num_micro, seed=m.seed, mesh=exp.mesh, packing=exp.packing,
-                           score_num_micro=m.score_num_micro)
-    return state
 
   def start(self, signals: StopSignals | None = None) -> tuple[dict, dict]:
     """Opens the run: checks and writes the run directory, loads the base policy, restores the latest checkpoint.
@@ -269,12 +236,9 @@ class Trainer:
     stop_signal = None if signals is None else lambda: signals.received
     with transfer.scope("base_policy"):  # The warm start (trained or restored) moves whole trees.
       self.graphdef, base_params, base_dir = sft.load_or_train(exp, stop_signal=stop_signal)
-    # The reference policy is held only when a KL term exists, in the compute dtype (`model.compute_copy`): frozen,
-    # its forward reads it cast anyway. With adapters it is the policy without them (`_reference`): not held.
-    if algo.use_kl and exp.lora is None:
-      self.ref_params = compute_copy(base_params, exp.model_cfg.compute_dtype, copy=True)
     self.graphdef, policy = exp.policy(self.graphdef, base_params, streams.adapter_seed(self.config.seed))
-    state = self._initial_state(policy)
+    self.parts, state = step_builder.build(exp, self.graphdef, policy, (self.optimizer, self.critic_optimizer))
+    self.learner, self.ref_params = self.parts.learner, self.parts.reference_policy(base_params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     if seeding:
       with transfer.scope("restore"):
@@ -371,12 +335,12 @@ class Trainer:
     with transfer.scope("eval"):
       return evaluation.evaluate(self.exp, self.graphdef, compute_copy(params, self.exp.model_cfg.compute_dtype))
 
-  def _log_progress(self, counters: dict, stats, eval_acc: float | None, step_s: float) -> None:
+  def _log_progress(self, counters: step_row.Progress, stats, eval_acc: float | None, step_s: float) -> None:
     """The progress line: samples, reward, held-out accuracy, response length, seconds per step, ETA, a sample."""
-    m, samples, examples = self.member, counters["samples"], stats.examples
+    m, samples, examples = self.member, counters.samples, stats.examples
     steps_left = math.ceil(max(m.sample_budget - samples, 0) / m.batch_size)
     logging.info("step %d | samples %d/%d (%.0f%%) | reward %.3f | eval %s | len %.1f | %.2fs/step | ETA %s%s",
-                 counters["step"], samples, m.sample_budget, 100 * samples / m.sample_budget, stats.reward_mean,
+                 counters.step, samples, m.sample_budget, 100 * samples / m.sample_budget, stats.reward_mean,
                  "-" if eval_acc is None else f"{eval_acc:.3f}", stats.response_len_mean, step_s,
                  _format_eta(step_s * steps_left), _format_example(examples[0]) if examples else "")
 
@@ -399,8 +363,8 @@ class Trainer:
     wall = lambda: progress["wall_s"] + time.time() - start
     eval_acc = next((r["eval_accuracy"] for r in reversed(self.metrics.read()) if "eval_accuracy" in r), None)
     if step == 0 or self._redo_eval:
-      held_out = self._evaluate(state["params"])
-      eval_acc = held_out["eval_accuracy"]
+      held_out = step_row.HeldOut(**self._evaluate(state["params"]))
+      eval_acc = held_out.eval_accuracy
       self.metrics.write(step_row.eval_row(step, samples, wall(), held_out))
       logging.info("Step %d: held-out greedy accuracy %.3f (%s).", step, eval_acc,
                    "redone" if step else "base policy")
@@ -419,8 +383,8 @@ class Trainer:
       generated += stats.samples_generated
       if c.log_samples_every_steps > 0 and step % c.log_samples_every_steps == 0:
         self.samples_log.write(step, samples, stats.examples)
-      counters = dict(step=step, samples=samples, samples_generated=generated, wall_s=wall(),
-                      cold=step == first_step + 1)
+      counters = step_row.Progress(step=step, samples=samples, samples_generated=generated, wall_s=wall(),
+                                   cold=step == first_step + 1)
       self._pending = (counters, stats, timing, device_metrics)
       self._check_rewards(stats, step)
       done = samples >= m.sample_budget
@@ -430,8 +394,8 @@ class Trainer:
       if evaluate or save or self.kl.target > 0:
         self._flush()
       if evaluate:
-        held_out = self._evaluate(state["params"])
-        eval_acc = held_out["eval_accuracy"]
+        held_out = step_row.HeldOut(**self._evaluate(state["params"]))
+        eval_acc = held_out.eval_accuracy
         self.metrics.write(step_row.eval_row(step, samples, wall(), held_out))
         done = save = done or save or reached(eval_acc)
       if step % c.log_every_steps == 0 or done:

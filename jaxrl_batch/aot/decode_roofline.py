@@ -2,7 +2,7 @@
 
 Decode is bandwidth-bound: a step of B rows must read, on each chip, the weights it holds and the keys and values of
 the rows it attends. `roofline_bytes` counts exactly that, for the run's mesh:
-  weights  every parameter's shard on the chip as the engine reads it (`aot.AbstractStep.sampler_params`: cast to the
+  weights  every parameter's shard on the chip as the engine reads it (`AbstractStep.sampler_params`: cast to the
            compute dtype where held wider), but of an untied embedding table only the B rows gathered, and of a
            mixture-of-experts layer only the experts its tokens are routed to (uniform routing:
            `sampling.roofline.expected_distinct_experts` of the chip's experts);
@@ -19,7 +19,7 @@ matmuls, whose TPU kernels fetch only the experts with rows, at the roofline's e
 
 The program compiled is `step`: what `continuous.decode_chunk` runs per token (`continuous.decode_token`: the model's
 cached one-token step over the slots' spans, then the token choice), without admission, which the engine runs once
-per chunk. Its slots and params are laid out as the trainer's (`train.aot`'s engine inputs), the cache at its
+per chunk. Its slots and params are laid out as the trainer's (`engine_inputs`), the cache at its
 longest, so the compiler's `bytes accessed` and `optimal_seconds` are one step's, comparable with the roofline.
 """
 import dataclasses
@@ -31,6 +31,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from jaxrl_batch.aot.abstract_step import AbstractStep, abstract_experiment
+from jaxrl_batch.aot.engine_inputs import engine_inputs
+from jaxrl_batch.aot.report import cost_of, per_chip_bytes
 from jaxrl_batch.model import ModelConfig
 from jaxrl_batch.runtime import hlo_text as hlo
 from jaxrl_batch.runtime import sharding, topologies
@@ -38,7 +41,6 @@ from jaxrl_batch.sampling.engine_settings import resolved_backend
 from jaxrl_batch.sampling.roofline import expected_distinct_experts
 from jaxrl_batch.sampling import continuous
 from jaxrl_batch.sampling.strategies import Strategy
-from jaxrl_batch.train import aot
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "p", "sampling", "backend"), donate_argnums=(2,))
@@ -74,7 +76,7 @@ class Point:
     return None if self.optimal_seconds is None else self.optimal_seconds / self.roofline_seconds
 
 
-def roofline_bytes(step_: aot.AbstractStep, rows: int, length: int) -> tuple[float, float]:
+def roofline_bytes(step_: AbstractStep, rows: int, length: int) -> tuple[float, float]:
   """(weight bytes, cache bytes) one chip must read for a decode step of `rows` rows at `length` live slots
   (module docstring)."""
   exp = step_.exp
@@ -82,7 +84,7 @@ def roofline_bytes(step_: aot.AbstractStep, rows: int, length: int) -> tuple[flo
   params = step_.sampler_params
   weights = 0.0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    held = aot.per_chip_bytes(leaf)
+    held = per_chip_bytes(leaf)
     if "embedding" in jax.tree_util.keystr(path) and not cfg.tie_embeddings:
       held *= min(1.0, rows / leaf.shape[0])
     elif cfg.num_experts and leaf.ndim == 3 and leaf.shape[0] == cfg.num_experts:
@@ -104,13 +106,13 @@ def experts_read(cfg: ModelConfig, rows: int) -> float:
 
 
 def engine_step(config: ml_collections.ConfigDict, devices, prompt_len: int, response_len: int, slots: int):
-  """(the step of `config` (`aot.AbstractStep`) with its rollout on the continuous engine's `slots` slots per
+  """(the step of `config` (`AbstractStep`) with its rollout on the continuous engine's `slots` slots per
   data-parallel shard, that engine's inputs): what the decode step and the prefill compile against; the inputs are
   the reason (a str) where the engine cannot be laid out. `config` is not changed."""
   config = ml_collections.ConfigDict(config.to_dict())
   config.sampling.engine, config.sampling.slots = "continuous", slots
-  step_ = aot.AbstractStep.build(aot.abstract_experiment(config, devices, prompt_len, response_len))
-  return step_, aot.engine_inputs(step_, False)
+  step_ = AbstractStep.build(abstract_experiment(config, devices, prompt_len, response_len))
+  return step_, engine_inputs(step_, False)
 
 
 def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, prompt_len: int,
@@ -136,13 +138,13 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
     state = inputs["state"]
     length = state.cache.length
     weights, cache_read = roofline_bytes(step_, concurrency, length)
-    held = aot.per_chip_bytes(state.cache)
+    held = per_chip_bytes(state.cache)
     point = Point(concurrency, length, None, None, None, weights, cache_read,
                   (weights + cache_read) / topo.chip.hbm_bytes_per_s, held,
                   groups_read=experts_read(step_.exp.model_cfg, concurrency), slots=state.token_S.shape[0])
     try:
       compiled = compile_step(step_, inputs)
-      cost = aot.cost_of(compiled)
+      cost = cost_of(compiled)
       point.bytes_accessed, point.optimal_seconds, point.flops = cost.bytes_accessed, cost.optimal_seconds, cost.flops
       point.hbm_bytes = hbm_bytes(compiled.as_text(), point.groups_read)
     except Exception as e:  # pylint: disable=broad-except  # Reported per concurrency: the others still compile.
@@ -155,8 +157,8 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
   return chip, points
 
 
-def lower_step(step_: aot.AbstractStep, inputs: dict):
-  """`step` lowered for the engine's slots as `aot.engine_inputs` lays them out (every slot live, the cache at its
+def lower_step(step_: AbstractStep, inputs: dict):
+  """`step` lowered for the engine's slots as `engine_inputs` lays them out (every slot live, the cache at its
   longest bucket)."""
   state, call = inputs["state"], inputs["call"]
   uid_S = jax.ShapeDtypeStruct(state.token_S.shape, jnp.int32, sharding=state.token_S.sharding)
@@ -166,7 +168,7 @@ def lower_step(step_: aot.AbstractStep, inputs: dict):
                       backend=call.engine.attention_backend)
 
 
-def compile_step(step_: aot.AbstractStep, inputs: dict):
+def compile_step(step_: AbstractStep, inputs: dict):
   """`lower_step` compiled."""
   with jax.set_mesh(step_.exp.mesh):
     return lower_step(step_, inputs).compile()
