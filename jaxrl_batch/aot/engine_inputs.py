@@ -102,12 +102,12 @@ def engine_prompts(step: AbstractStep, call: Call):
     layout = sharding.replicated(exp.mesh)
   elif call.group_size == 1:  # The batch-sharded rows themselves (prompt_BxP[::1] is prompt_BxP).
     layout = rows(2)
-  else:  # One row per group, as `generate_continuous` slices the step's rows: prompt_BxP[::G].
-    sliced = laid_out(step, jax.jit(lambda x: x[::call.group_size]),
-                       step.rows((call.requests, exp.prompt_len), jnp.int32))
+  else:  # One row per group, as `generate_continuous` takes them from the step's rows.
+    sliced = laid_out(step, continuous.group_prompts, step.rows((call.requests, exp.prompt_len), jnp.int32),
+                      step.rows((call.requests, exp.prompt_len), bool), group_size=call.group_size)
     if isinstance(sliced, str):
       return sliced
-    layout = sliced.sharding
+    layout = sliced[0].sharding
   r, n = call.requests, exp.response_len
   i32 = lambda *shape: struct(shape, jnp.int32, rows(len(shape)))
   requests = continuous.Requests(i32(r), i32(r), i32(r), i32(r, n), struct((r, n), jnp.float32, rows(2)), i32(r))

@@ -558,6 +558,13 @@ def decode(graphdef, params, prompt_QxP, prompt_valid_QxP, requests: Requests, h
   return Decoded(run.outputs, scheduler.ended_R, scheduler.held(), stats, run.prefix.experts_QxPxLxK, kept_now)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def group_prompts(prompt_BxP, prompt_valid_BxP, *, group_size: int):
+  """One prompt row per group of `group_size` requests (rows 0, G, 2G, ...), batch-sharded rows kept split over the
+  chips, so that each prefills its share (the compile-only check lays out the prefill's prompts through it)."""
+  return prompt_BxP[::group_size], prompt_valid_BxP[::group_size]
+
+
 def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, max_new_tokens: int, eos_id: int,
                         pad_id: int, sampling: Strategy, engine: EngineSettings, group_size: int = 1,
                         slots: int = 0, budget_B=None, row_sharding=None, on_ended=None
@@ -577,7 +584,8 @@ def generate_continuous(graphdef, params, prompt_BxP, prompt_valid_BxP, rng, *, 
     raise ValueError(f"group_size={g} must divide the batch of {b} prompts.")
   requests = new_requests(b, group_size=g, max_new_tokens=n, pad_id=pad_id, budget_B=budget_B,
                           row_sharding=row_sharding)
-  out = decode(graphdef, params, prompt_BxP[::g], prompt_valid_BxP[::g], requests, np.zeros(b, np.int64), range(b),
+  prompts = group_prompts(prompt_BxP, prompt_valid_BxP, group_size=g) if g > 1 else (prompt_BxP, prompt_valid_BxP)
+  out = decode(graphdef, params, *prompts, requests, np.zeros(b, np.int64), range(b),
                rng, eos_id=eos_id, sampling=sampling, engine=engine, slots=slots or b, row_sharding=row_sharding,
                on_ended=on_ended)
   prompt_experts = out.prompt_experts_QxPxLxK

@@ -32,7 +32,7 @@ from jaxrl_batch.rl.noise_scale import NoiseScale
 from jaxrl_batch.runtime import compile_clock, disk_space, sharding, streams, transfer
 from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite, saved_steps
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
-from jaxrl_batch.train import branch, collectors, evaluation, rundir, samples_log, sft, step_builder, step_row, writers
+from jaxrl_batch.train import branch, evaluation, placement, rundir, samples_log, sft, step_builder, step_row, writers
 from jaxrl_batch.train.async_collector import AsyncCollector
 from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.workdir_lock import WorkdirLock
@@ -68,7 +68,7 @@ class Trainer:
     self.config = config
     self.workdir = os.path.abspath(workdir)
     self.branch_from = branch_from  # Seeds a new workdir from another run's checkpoint (`train.branch`).
-    self.exp, self.collector = collectors.build(config, devices)
+    self.exp, self.collector = placement.build(config, devices)
     self.member = m = self.exp.member
     self.algo = m.algo
     self.optimizer, self.critic_optimizer = step_builder.optimizers(self.exp)

@@ -1,4 +1,4 @@
-"""Which collector produces a run's rollouts, chosen once from the config.
+"""Where a run's rollouts are generated and which collector produces them, chosen once from the config.
 
 - `Collector`: generation and update take turns on the learner's devices (the default).
 - `PartialCollector` (`rollout.partial`): the continuous engine's sequences carry over between steps.
