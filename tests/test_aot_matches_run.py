@@ -17,14 +17,23 @@ CALLED_FROM = {"update": learner, "logprobs_and_values": learner, "sample_round"
                "prefill_prompts": continuous, "decode_chunk": continuous, "resume_slots": continuous}
 
 
+def _signature(args, kwargs) -> str:
+  """What a call's lowering depends on: its arrays' shapes, dtypes and shardings, and the other arguments."""
+  abstract = lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+  return repr(jax.tree.map(abstract, (args, kwargs)))
+
+
 def _record_lowered(monkeypatch) -> dict[str, set[str]]:
-  """Makes each function of CALLED_FROM record the lowered text of every call before running it."""
-  texts = {name: set() for name in CALLED_FROM}
+  """Makes each function of CALLED_FROM record the lowered text of its calls (once per signature) as it runs them."""
+  texts, seen = {name: set() for name in CALLED_FROM}, set()
   for name, module in CALLED_FROM.items():
     fn = getattr(module, name)
 
     def recorded(*args, fn=fn, name=name, **kwargs):
-      texts[name].add(fn.lower(*args, **kwargs).as_text())
+      signature = name + _signature(args, kwargs)
+      if signature not in seen:
+        seen.add(signature)
+        texts[name].add(fn.lower(*args, **kwargs).as_text())
       return fn(*args, **kwargs)
     monkeypatch.setattr(module, name, recorded)
   return texts
@@ -40,7 +49,7 @@ def _record_lowered(monkeypatch) -> dict[str, set[str]]:
 def test_the_check_compiles_the_programs_a_run_executes(base_cache, tmp_path, monkeypatch, module, overrides,
                                                         compiled):
   config = debug_config(base_cache, module, **overrides)
-  config.sample_budget = 2 * config.batch_size  # Two steps: the second with the updated policy.
+  config.sample_budget = config.batch_size  # One step, and the evaluations before and after it.
   devices = jax.devices()[:4]
   texts = _record_lowered(monkeypatch)
   Trainer(config, str(tmp_path / "run"), devices=devices).run()
