@@ -14,7 +14,7 @@ from jaxrl_batch.model import compute_copy, lora, masks
 from jaxrl_batch.sampling import EngineSettings, Strategy, generate_continuous
 from jaxrl_batch import aot
 from jaxrl_batch.aot.abstract_step import rollout_resident
-from jaxrl_batch.train import collector, partial, rundir
+from jaxrl_batch.train import collector, partial, rundir, step_builder
 from jaxrl_batch.train import trainer as trainer_module
 from jaxrl_batch.train.trainer import Trainer
 from tests.helpers import ONE_DEVICE, assert_same_rollout, debug_config, one_device_model, tiny_config
@@ -134,7 +134,7 @@ def test_a_run_trains_the_same_with_the_copy_as_with_the_master_weights(tmp_path
   assert seen and all(dtypes == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)} for dtypes in seen)
   assert {x.dtype for x in jax.tree.leaves(trainer.ref_params)} == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
   master = lambda params, dtype, copy=False: jax.tree.map(jnp.copy, params) if copy else params
-  for module in (collector, partial, trainer_module):
+  for module in (collector, partial, step_builder, trainer_module):
     monkeypatch.setattr(module, "compute_copy", master)
   Trainer(config(), str(tmp_path / "master"), devices=ONE_DEVICE).run()
   timing = lambda k: k.endswith("_s") or "per_s" in k or k in ("time", "overlap_frac")
