@@ -79,8 +79,11 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
   # Generation on devices of its own (needs rl.max_staleness >= 1): the last `devices` devices, with this mesh
   # shape, sample while the others train; 0 = colocated (generation and update share the mesh). On a CPU host,
   # `process_cores` (e.g. "0") instead generates in a child process pinned to those cores, the learner on the others
-  # (`train.generator_process`: weights shipped after every update); "" = in this process.
-  c.rollout_mesh = ml_collections.ConfigDict(dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1, process_cores=""))
+  # (`train.generator_process`: weights shipped after every update); "" = in this process. `layout`: colocated
+  # generation decodes with the trainer's mesh and layout ("trainer"), or ("own") on this mesh shape over the
+  # learner's own devices, the policy resharded into its layout once per step (`train.decode_layout`).
+  c.rollout_mesh = ml_collections.ConfigDict(dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1, process_cores="",
+                                                  layout="trainer"))
 
   c.algo = "grpo"  # RL algorithm: grpo (critic-free) | ppo (critic + GAE; see configs/ppo_arith.py).
   c.batch_size = arg.batch or batch  # B: rollouts per step (= prompts per step x group_size).

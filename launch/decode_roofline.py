@@ -73,7 +73,8 @@ def main(argv):
                                          FLAGS.response_tokens)
   with open(os.path.join(FLAGS.out, "decode_roofline.json"), "w") as f:
     json.dump(dict(chip, points=[dict(dataclasses.asdict(p), ratio=p.ratio) for p in points]), f, indent=2)
-  print(f"{chip['topology']} mesh {chip['mesh']} attention {chip['attention_backend']}; per chip:")
+  print(f"{chip['topology']} mesh {chip['mesh']} ({chip['layout']} layout) attention {chip['attention_backend']}; "
+        "per chip:")
   print(decode_roofline.table(points))
   return 1 if any(p.error for p in points) else 0
 

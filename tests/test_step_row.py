@@ -26,7 +26,7 @@ ROLLOUT_KEYS = ("rollout_s", "reward_s", "sampling_rounds", "reward_mean", "rewa
                 "truncated_frac", "zero_std_group_frac", "reward_errors", "reward_timeouts", "useful_token_frac",
                 "rollout_chunks", "preempted", "response_len_max", "response_lens", "reprefill_s", "policy_lag_mean",
                 "policy_lag_max", "partial_frac", "carried_over", "update_wait_s", "rollout_wait_s", "policy_version",
-                "policy_lag_samples_mean")
+                "policy_lag_samples_mean", "reshard_s")
 TIMING_KEYS = ("update_s", "lr", "kl_coef", "compile_s", "overlap_frac")
 NOISE_KEYS = ("noise_scale", "noise_inter", "noise_intra")
 UPDATE_KEYS = ("returns_mean", "vf_explained_var", "loss", "policy_loss", "entropy", "clip_frac", "clip_frac_low",

@@ -98,7 +98,8 @@ def carries_partial(config: ml_collections.ConfigDict) -> bool:
 
 
 def generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
-  """Why the step's generation is not compiled on this mesh (a rollout mesh or a process of its own), or None."""
+  """Why the step's generation is not compiled on this mesh (a rollout mesh, a layout or a process of its own), or
+  None."""
   rollout = config.rollout_mesh
   if rollout.process_cores:
     return (f"rollout_mesh.process_cores={rollout.process_cores!r}: generation runs in a CPU process of its own "
@@ -106,6 +107,9 @@ def generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
   if rollout.devices:
     return (f"rollout_mesh.devices={rollout.devices} (generation on chips of its own) is not compiled yet: the "
             "check builds one mesh over every chip")
+  if rollout.get("layout", "trainer") == "own":
+    return ("rollout_mesh.layout='own': generation decodes on rollout_mesh's shape over these chips "
+            "(`train.decode_layout`), not compiled here yet; `launch.decode_roofline` compiles its decode step")
   return None
 
 

@@ -41,6 +41,7 @@ from jaxrl_batch.sampling.engine_settings import resolved_backend
 from jaxrl_batch.sampling.roofline import expected_distinct_experts
 from jaxrl_batch.sampling import continuous
 from jaxrl_batch.sampling.strategies import Strategy
+from jaxrl_batch.train import placement
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "p", "sampling", "backend"), donate_argnums=(2,))
@@ -121,7 +122,12 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
   size) on compile-only `topology` chips and returns (the topology's figures, one `Point` per concurrency; a point
   that cannot compile holds the reason in `error`). A concurrency below the data-parallel size is the engine at its
   fewest slots (one a shard) with that many live, as at the tail of a rollout: the same program, whose kernels read
-  the live rows' experts and cache spans; the roofline and `hbm_bytes` count those (the busiest chip's one row)."""
+  the live rows' experts and cache spans; the roofline and `hbm_bytes` count those (the busiest chip's one row).
+  With rollout_mesh.layout='own' the engine decodes on rollout_mesh's shape over the same chips (`train.decode_layout`),
+  and the figures are that mesh's."""
+  layout = config.rollout_mesh.get("layout", "trainer")
+  if placement.own_layout(config):
+    config = placement.generation_config(config)
   topo = topologies.compile_only(topology)
   mesh = sharding.make_mesh(**config.mesh, devices=topo.devices)
   data_parallel = sharding.data_parallel_size(mesh)
@@ -151,7 +157,7 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
       point.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     points.append(point)
   chip = dict(topology=topo.name, chip=topo.chip.name, hbm_bytes_per_s=topo.chip.hbm_bytes_per_s,
-              mesh={k: int(v) for k, v in mesh.shape.items()},
+              mesh={k: int(v) for k, v in mesh.shape.items()}, layout=layout,
               model_params=ModelConfig.from_config(config.model).num_params(),
               attention_backend=resolved_backend_for(mesh, config.sampling.attention_backend))
   return chip, points

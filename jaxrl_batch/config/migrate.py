@@ -35,6 +35,7 @@ ADDED = {
     "rollout.carry_kv": _carry_kv,  # Carried partial rollouts were re-prefilled under the new weights every step.
     "rollout_mesh": dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1, process_cores=""),  # Colocated generation.
     "rollout_mesh.process_cores": "",  # Generation in the learner's process.
+    "rollout_mesh.layout": "trainer",  # Colocated generation decoded with the trainer's layout.
     "rl.max_staleness": 0,  # Synchronous.
     "rl.noise_split": False,  # noise_scale alone.
     "rl.router_aux_loss_coef": 0.0,  # No load-balancing term in the loss.

@@ -1,6 +1,7 @@
 """Where a run's rollouts are generated and which collector produces them, chosen once from the config.
 
-- `Collector`: generation and update take turns on the learner's devices (the default).
+- `Collector`: generation and update take turns on the learner's devices (the default), with the trainer's layout,
+  or (`rollout_mesh.layout='own'`, a `ResharedCollector`) on a mesh of their own over them.
 - `PartialCollector` (`rollout.partial`): the continuous engine's sequences carry over between steps.
 - `AsyncCollector` (`rl.max_staleness` = k >= 1): generation runs k steps ahead on a host thread, on the learner's
   devices, on devices of its own (`rollout_mesh.devices`) or in a process of its own (`rollout_mesh.process_cores`,
@@ -13,16 +14,51 @@ import ml_collections
 
 from jaxrl_batch.train.async_collector import AsyncCollector
 from jaxrl_batch.train.collector import Collector
+from jaxrl_batch.train.decode_layout import ResharedCollector
 from jaxrl_batch.train.generator_process import RemoteGenerator
 from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.setup import Experiment
 
 
+LAYOUTS = ("trainer", "own")
+
+
+def generation_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` with the mesh generation runs on: `rollout_mesh`'s data/fsdp/tensor/expert (on devices of its own, or
+  colocated with rollout_mesh.layout='own')."""
+  rollout_config = copy.deepcopy(config)
+  rollout_config.mesh.update({k: config.rollout_mesh[k] for k in ("data", "fsdp", "tensor", "expert")})
+  return rollout_config
+
+
+def own_layout(config: ml_collections.ConfigDict) -> bool:
+  """Whether colocated generation decodes in a layout of its own (rollout_mesh.layout='own'); checks the setting
+  and what it combines with."""
+  rollout = config.rollout_mesh
+  if rollout.layout not in LAYOUTS:
+    raise ValueError(f"rollout_mesh.layout={rollout.layout!r}: choose 'trainer' (decode with the trainer's mesh and "
+                     "layout) or 'own' (decode on rollout_mesh's data/fsdp/tensor/expert over the learner's devices).")
+  if rollout.layout == "trainer":
+    return False
+  refused = [why for on, why in ((rollout.devices or rollout.process_cores, "generation elsewhere (rollout_mesh."
+                                  "devices, rollout_mesh.process_cores): it has its own mesh already"),
+                                 (config.rl.max_staleness, "rl.max_staleness > 0"),
+                                 (config.rollout.partial, "rollout.partial (carried sequences keep their KV cache in "
+                                  "the layout they were decoded in)")) if on]
+  if refused:
+    raise ValueError(f"rollout_mesh.layout='own' decodes the synchronous colocated rollout in a layout of its own; "
+                     f"it does not combine with {'; '.join(refused)} yet. Set rollout_mesh.layout='trainer'.")
+  return True
+
+
 def _split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[list, Experiment | None]:
-  """(the learner's devices, the rollout's `Experiment` or None when colocated). `config.rollout_mesh.devices` = n
-  > 0 gives the last n devices to generation, with the mesh shape of `rollout_mesh`'s data/fsdp/tensor/expert."""
+  """(the learner's devices, the rollout's `Experiment` or None when generation uses the learner's). `config.
+  rollout_mesh.devices` = n > 0 gives the last n devices to generation, with the mesh shape of `rollout_mesh`'s
+  data/fsdp/tensor/expert; rollout_mesh.layout='own' that mesh shape over all of them, shared with the learner."""
   rollout = config.rollout_mesh
   n = rollout.devices
+  if own_layout(config):
+    return devices, Experiment.create(generation_config(config), devices=devices)
   if rollout.process_cores:
     if n or config.rl.max_staleness < 1 or jax.process_count() > 1:
       raise ValueError(f"rollout_mesh.process_cores={rollout.process_cores!r} generates in a process of its own, "
@@ -36,9 +72,7 @@ def _split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[li
                      "the learner: set rl.max_staleness >= 1, or rollout_mesh.devices=0 (colocated).")
   if not 0 < n < len(devices):
     raise ValueError(f"rollout_mesh.devices={n} of {len(devices)} devices: leave at least one to the learner.")
-  rollout_config = copy.deepcopy(config)
-  rollout_config.mesh.update({k: rollout[k] for k in ("data", "fsdp", "tensor", "expert")})
-  return devices[:-n], Experiment.create(rollout_config, devices=devices[-n:])
+  return devices[:-n], Experiment.create(generation_config(config), devices=devices[-n:])
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> tuple[Experiment, object]:
@@ -54,7 +88,7 @@ def build(config: ml_collections.ConfigDict, devices=None) -> tuple[Experiment, 
   if partial:
     return exp, PartialCollector(exp)
   if not staleness:
-    return exp, Collector(exp)
+    return exp, (ResharedCollector(Collector(rollout_exp), exp.mesh) if rollout_exp else Collector(exp))
   cores = config.rollout_mesh.process_cores
   generator = RemoteGenerator(config, exp, cores) if cores else Collector(rollout_exp or exp)
   return exp, AsyncCollector(generator, staleness, exp.mesh)

@@ -132,8 +132,9 @@ class RolloutStats:
   batch in turn; with partial rollouts, the trained batch), which `predict.lengths` replays; engine figures
   (`sampling.EngineStats`) summed over its engine calls; times in seconds. `trained_samples` (rollouts whose tokens
   enter the loss) and `examples` (the logged samples) feed the run's counters and samples.jsonl, not the row. The
-  optional fields exist only in some modes: partial rollouts (`reprefill_s` .. `carried_over`) and generation ahead
-  of the learner (`update_wait_s` .. `policy_lag_samples_mean`)."""
+  optional fields exist only in some modes: partial rollouts (`reprefill_s` .. `carried_over`), generation ahead
+  of the learner (`update_wait_s` .. `policy_lag_samples_mean`) and decoding in a layout of its own
+  (`reshard_s`)."""
   rollout_s: float
   reward_s: float
   samples_generated: int
@@ -161,6 +162,7 @@ class RolloutStats:
   rollout_wait_s: float | None = None
   policy_version: int | None = None
   policy_lag_samples_mean: float | None = None
+  reshard_s: float | None = None
 
   @classmethod
   def of(cls, *, rewards_E, lengths_E, truncated_E, engine: list[EngineStats], zero_std_frac: float, **fields

@@ -34,6 +34,7 @@ from jaxrl_batch.runtime.checkpointing import Checkpointer, all_finite, saved_st
 from jaxrl_batch.runtime.preemption import StopSignals, Stopped
 from jaxrl_batch.train import branch, evaluation, placement, rundir, samples_log, sft, step_builder, step_row, writers
 from jaxrl_batch.train.async_collector import AsyncCollector
+from jaxrl_batch.train.decode_layout import ResharedCollector
 from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.workdir_lock import WorkdirLock
 
@@ -313,7 +314,7 @@ class Trainer:
           self._flush_after_error()
           raise
         finally:
-          if isinstance(self.collector, AsyncCollector):
+          if isinstance(self.collector, AsyncCollector | ResharedCollector):
             self.collector.close()
           self.exp.scorer.close()
           self.checkpointer.close()  # Also on errors: a pending asynchronous save completes.

@@ -1,0 +1,47 @@
+"""Colocated generation in a layout of its own (`rollout_mesh.layout='own'`).
+
+Decode reads every weight a chip holds at every step, so the layout that trains a model well (fsdp: each chip a
+slice of every weight, gathered at each use) decodes it badly: each decode step gathers the weights again. Here the
+rollout runs on a mesh of `rollout_mesh`'s shape over the learner's own devices (e.g. the fsdp axis turned into
+tensor parallelism, or into data parallelism with the weights whole on each chip), and the engines read a copy of
+the policy in that mesh's layout (the parameters' sharding rules applied to it) and in the compute dtype, made once
+per step by one program (`reshard`). The KV cache follows the engines' mesh. The rollouts come back to the
+learner's mesh, batch-sharded, as those of generation on devices of its own do; the reshard's seconds are the row's
+`reshard_s`.
+"""
+import dataclasses
+import functools
+import time
+
+import jax
+
+from jaxrl_batch.model import compute_copy
+from jaxrl_batch.rl.rollouts import Rollouts
+from jaxrl_batch.runtime import sharding
+from jaxrl_batch.train.collector import Collector
+from jaxrl_batch.train.step_row import RolloutStats
+
+
+class ResharedCollector:
+  """`Collector.collect` on the collector's own mesh (same devices as the learner's, another shape), from the policy
+  resharded into that mesh's layout."""
+
+  def __init__(self, collector: Collector, learner_mesh: jax.sharding.Mesh):
+    self.collector, self.exp, self.learner_mesh = collector, collector.exp, learner_mesh
+    layouts = jax.tree.map(lambda x: x.sharding, self.exp.abstract_params(adapters=True)[1])
+    # One program: the policy cast to the compute dtype and laid out for decoding.
+    self.reshard = jax.jit(functools.partial(compute_copy, dtype=self.exp.model_cfg.compute_dtype),
+                           out_shardings=layouts)
+
+  def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
+    """The step's rollouts (on the learner's mesh) and statistics, `reshard_s` the seconds of the reshard."""
+    start = time.time()
+    policy = jax.block_until_ready(self.reshard(params))
+    reshard_s = time.time() - start
+    rollouts, stats = self.collector.collect(graphdef, policy, step)
+    layouts = jax.tree.map(lambda x: sharding.batch_sharding(self.learner_mesh, x.ndim), rollouts)
+    return jax.device_put(rollouts, layouts), dataclasses.replace(stats, reshard_s=reshard_s)
+
+  def close(self) -> None:
+    """Lets the rollout experiment's reward threads end (the learner's close with the trainer)."""
+    self.exp.scorer.close()
