@@ -25,9 +25,10 @@ LAYOUTS = ("trainer", "own")
 
 def generation_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """`config` with the mesh generation runs on: `rollout_mesh`'s data/fsdp/tensor/expert (on devices of its own, or
-  colocated with rollout_mesh.layout='own')."""
+  colocated with rollout_mesh.layout='own'), decoding in that mesh's own layout."""
   rollout_config = copy.deepcopy(config)
   rollout_config.mesh.update({k: config.rollout_mesh[k] for k in ("data", "fsdp", "tensor", "expert")})
+  rollout_config.rollout_mesh.layout = "trainer"
   return rollout_config
 
 
