@@ -107,7 +107,7 @@ def generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
   if rollout.devices:
     return (f"rollout_mesh.devices={rollout.devices} (generation on chips of its own) is not compiled yet: the "
             "check builds one mesh over every chip")
-  if rollout.get("layout", "trainer") == "own":
+  if rollout.layout == "own":
     return ("rollout_mesh.layout='own': generation decodes on rollout_mesh's shape over these chips "
             "(`train.decode_layout`), not compiled here yet; `launch.decode_roofline` compiles its decode step")
   return None

@@ -125,7 +125,7 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
   the live rows' experts and cache spans; the roofline and `hbm_bytes` count those (the busiest chip's one row).
   With rollout_mesh.layout='own' the engine decodes on rollout_mesh's shape over the same chips (`train.decode_layout`),
   and the figures are that mesh's."""
-  layout = config.rollout_mesh.get("layout", "trainer")
+  layout = config.rollout_mesh.layout
   if placement.own_layout(config):
     config = placement.generation_config(config)
   topo = topologies.compile_only(topology)

@@ -80,7 +80,7 @@ class Trainer:
     self.lock = WorkdirLock(self.workdir)
     self.kl = KLController(self.algo.kl_coef, self.algo.kl_target, self.algo.kl_horizon)
     self.checkpointer: Checkpointer | None = None  # Opened by `run`, with the base policy and the learner.
-    self.graphdef = self.ref_params = self.learner = self.parts = None  # `start`: the step's parts (`step_builder`)
+    self.graphdef = self.ref_params = self.learner = None
     self._pending = None  # (Progress, RolloutStats, Timing, device metrics) of a step: its row, once fetched.
     self._last_row = {}
     self._warned_uniform = False
@@ -238,8 +238,8 @@ class Trainer:
     with transfer.scope("base_policy"):  # The warm start (trained or restored) moves whole trees.
       self.graphdef, base_params, base_dir = sft.load_or_train(exp, stop_signal=stop_signal)
     self.graphdef, policy = exp.policy(self.graphdef, base_params, streams.adapter_seed(self.config.seed))
-    self.parts, state = step_builder.build(exp, self.graphdef, policy, (self.optimizer, self.critic_optimizer))
-    self.learner, self.ref_params = self.parts.learner, self.parts.reference_policy(base_params)
+    parts, state = step_builder.build(exp, self.graphdef, policy, (self.optimizer, self.critic_optimizer))
+    self.learner, self.ref_params = parts.learner, parts.reference_policy(base_params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     if seeding:
       with transfer.scope("restore"):
