@@ -146,10 +146,8 @@ def test_the_lora_update_compiles_for_one_v5e_chip_with_optimizer_state_for_the_
   report = aot.check(config, "v5e:1x1", programs=("update",), prompt_len=32, response_len=32)
   assert report.program("update").status == "fits", report.program("update").verdict
   step = aot.AbstractStep.build(aot.abstract_experiment(config, topology.devices, 32, 32))
-  fn, args, kwargs, _, _ = aot.BUILDERS["update"](step)
-  with jax.set_mesh(step.exp.mesh):
-    # The program's state argument, as lowered: the arguments check() compiled above (not compiled twice).
-    state = fn.lower(*args, **kwargs).args_info[0][0]
+  # The program's state argument, as lowered: the arguments check() compiled above (not compiled twice).
+  state = aot.program("update", step).lower().args_info[0][0]
   adapters, base = lora.split(state["params"])
   size = lambda leaves: sum(int(np.prod(x.shape)) for x in leaves)
   moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.shape]  # Adam's mu and nu (scalars: its count)
@@ -417,3 +415,32 @@ def test_static_eval_and_the_weight_publish_of_an_async_run_for_v5e():
   config.rl.max_staleness, config.task.num_eval = 0, 0
   report = aot.check(config, "v5e:2x2", programs=("eval", "publish"), prompt_len=32, response_len=32)
   assert "task.num_eval" in report.program("eval").verdict and "max_staleness=0" in report.program("publish").verdict
+
+
+@pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
+def test_a_decode_layout_of_its_own_compiles_the_reshard_and_the_rollout_on_its_mesh_for_v5e():
+  """rollout_mesh.layout='own', trained with fsdp 4 and decoded with data 4: the reshard reads the master weights in
+  the trainer's layout (a quarter of each a chip) and writes the engines' copy whole on every chip, the optimizer's
+  moments resident; the rollout compiles on the rollout mesh with the learner's whole state resident; the
+  evaluation on the trainer's mesh."""
+  config = _tiny_with(**{"mesh.data": 1, "mesh.fsdp": 4, "rollout_mesh.layout": "own", "rollout_mesh.data": 4})
+  report = aot.check(config, "v5e:2x2", programs=("update", "reshard", "rollout", "eval"), prompt_len=32,
+                     response_len=32)
+  assert report.mesh["fsdp"] == 4 and report.rollout_mesh == dict(data=4, fsdp=1, expert=1, tensor=1)
+  assert "(the rollout on {'data': 4" in report.table()
+  update, reshard, rollout, evaluation = (report.program(n) for n in ("update", "reshard", "rollout", "eval"))
+  assert all(p.status == "fits" for p in (update, reshard, rollout, evaluation)), report.table()
+  assert reshard.function == "jaxrl_batch.train.decode_layout.reshard" and "once a step" in reshard.shape
+  step = aot.AbstractStep.build(aot.abstract_experiment(config, topologies.compile_only("v5e:2x2").devices, 32, 32))
+  master, copy = aot.per_chip_bytes(step.state["params"]), aot.per_chip_bytes(step.engines.sampler_params)
+  assert 3.9 * master < copy <= 4 * master  # float32 either way, whole on each chip: 4x a quarter (the norms whole)
+  # The compiler's bytes hold these tiny arrays padded to whole tiles: the copy is still over twice the master.
+  assert reshard.memory.output_bytes > 2 * reshard.memory.argument_bytes >= 2 * master
+  assert rollout.memory.argument_bytes >= reshard.memory.output_bytes  # the rollout reads the copy
+  moments = step.resident("opt_state")
+  assert reshard.memory.resident_bytes == moments and rollout.memory.resident_bytes == moments + master
+  assert evaluation.memory.resident_bytes < rollout.memory.resident_bytes  # it reads the master in place
+  config.rollout_mesh.layout = "trainer"
+  skipped = aot.check(config, "v5e:2x2", programs=("reshard",), prompt_len=32, response_len=32).program("reshard")
+  assert skipped.status == "skipped" and "layout='trainer'" in skipped.verdict

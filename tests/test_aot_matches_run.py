@@ -1,5 +1,5 @@
 """The compile-only check compiles the programs a run executes: for configs on this machine's CPU devices, every
-program the check compiles (`aot.BUILDERS`, built from abstract arrays through the run's own builder,
+program the check compiles (`aot.program`, built from abstract arrays through the run's own builder,
 `train.step_builder`) lowers to the text of a call the run made, lowered with the arguments the run passed."""
 import jax
 import pytest
@@ -8,7 +8,7 @@ from configs import grpo_arith, ppo_arith
 from jaxrl_batch import aot
 from jaxrl_batch.rl import learner
 from jaxrl_batch.sampling import continuous, engine
-from jaxrl_batch.train import collector
+from jaxrl_batch.train import collector, decode_layout
 from jaxrl_batch.train.trainer import Trainer
 from tests.helpers import debug_config
 
@@ -19,23 +19,28 @@ CALLED_FROM = {"update": learner, "logprobs_and_values": learner, "sample_round"
 
 def _signature(args, kwargs) -> str:
   """What a call's lowering depends on: its arrays' shapes, dtypes and shardings, and the other arguments."""
-  abstract = lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+  array = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")  # Not a dtype (which has a shape).
+  abstract = lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)) if array(x) else x
   return repr(jax.tree.map(abstract, (args, kwargs)))
 
 
 def _record_lowered(monkeypatch) -> dict[str, set[str]]:
-  """Makes each function of CALLED_FROM record the lowered text of its calls (once per signature) as it runs them."""
-  texts, seen = {name: set() for name in CALLED_FROM}, set()
-  for name, module in CALLED_FROM.items():
-    fn = getattr(module, name)
+  """Makes each function of CALLED_FROM, and the reshard programs `decode_layout.resharder` makes, record the lowered
+  text of their calls (once per signature) as the run makes them."""
+  texts, seen = {name: set() for name in (*CALLED_FROM, "reshard")}, set()
 
-    def recorded(*args, fn=fn, name=name, **kwargs):
+  def recording(fn, name):
+    def recorded(*args, **kwargs):
       signature = name + _signature(args, kwargs)
       if signature not in seen:
         seen.add(signature)
         texts[name].add(fn.lower(*args, **kwargs).as_text())
       return fn(*args, **kwargs)
-    monkeypatch.setattr(module, name, recorded)
+    return recorded
+  for name, module in CALLED_FROM.items():
+    monkeypatch.setattr(module, name, recording(getattr(module, name), name))
+  resharder = decode_layout.resharder
+  monkeypatch.setattr(decode_layout, "resharder", lambda exp: recording(resharder(exp), "reshard"))
   return texts
 
 
@@ -43,9 +48,12 @@ def _record_lowered(monkeypatch) -> dict[str, set[str]]:
     (grpo_arith, {"rl.kl_coef": 0.05, "rl.old_logp": "trainer", "sampling.engine": "continuous", "sampling.slots": 4,
                   "mesh.data": 2, "mesh.fsdp": 2},
      {"update", "score", "reference", "prefill", "decode", "eval_fill", "eval"}),
-    (ppo_arith, {"critic.warmup_steps": 0, "mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 2},
-     {"update", "score", "rollout", "eval"}),
-], ids=["grpo-kl-continuous-data2-fsdp2", "ppo-static-fsdp2-tensor2"])
+    # The rollout decoded in a layout of its own, on data 2 x tensor 2 over the same 4 devices.
+    (ppo_arith, {"critic.warmup_steps": 0, "mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 2,
+                 "rollout_mesh.layout": "own", "rollout_mesh.data": 2, "rollout_mesh.fsdp": 1,
+                 "rollout_mesh.tensor": 2},
+     {"update", "score", "reshard", "rollout", "eval"}),
+], ids=["grpo-kl-continuous-data2-fsdp2", "ppo-static-fsdp2-tensor2-decoding-on-data2-tensor2"])
 def test_the_check_compiles_the_programs_a_run_executes(base_cache, tmp_path, monkeypatch, module, overrides,
                                                         compiled):
   config = debug_config(base_cache, module, **overrides)
@@ -57,12 +65,9 @@ def test_the_check_compiles_the_programs_a_run_executes(base_cache, tmp_path, mo
   step = aot.AbstractStep.build(aot.abstract_experiment(config, devices, 0, 0))  # The trainer's lengths.
   checked = set()
   for name in aot.PROGRAMS:
-    built = aot.BUILDERS[name](step)
-    if not isinstance(built, tuple):  # Skipped (the reason), or the publish's copy: no program.
+    built = aot.program(name, step)
+    if not isinstance(built, aot.Program):  # Skipped (the reason), or the publish's copy: no program.
       continue
-    fn, args, kwargs, _, _ = built
-    with jax.set_mesh(step.exp.mesh):
-      text = fn.lower(*args, **kwargs).as_text()
-    assert text in texts[fn.__name__], f"{name}: the check's {fn.__name__} is none of the run's"
+    assert built.lower().as_text() in texts[built.fn.__name__], f"{name}: the check's program is none of the run's"
     checked.add(name)
   assert checked == compiled

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -59,6 +60,28 @@ def test_a_larger_batch_decodes_more_rows_a_step_at_nearly_the_same_cost(compile
                   for b in (16, 64))
   assert large.programs["decode"].seconds < 4 * small.programs["decode"].seconds
   assert large.samples_per_s > small.samples_per_s
+
+
+@pytest.mark.slow
+def test_a_decode_layout_of_its_own_gathers_no_weights_a_step_and_adds_its_reshard(compile_only_tpu):
+  """Trained fully sharded (fsdp 4), the model decoded in the trainer's layout gathers its weights in every decode
+  step; decoded with the weights whole on each chip (rollout_mesh.layout='own', data 4) it gathers none, and the step
+  adds the reshard that lays the policy out, once."""
+  compile_only_tpu("v5e:2x2")
+  trainer = _config(16, engine="continuous", slots=2, chunk=4)
+  trainer.mesh.update(data=1, fsdp=4)
+  own = ml_collections.ConfigDict(trainer.to_dict())
+  own.rollout_mesh.update(layout="own", data=4)
+  drawn = _lengths(16)
+  a, b = (step_time.predict(c, "v5e:2x2", drawn, prompt_len=PROMPT, response_len=RESPONSE) for c in (trainer, own))
+  assert a.programs["decode"].collective_bytes > 0 and a.reshard_s == 0.0 and "reshard" not in a.programs
+  assert b.programs["decode"].collective_bytes == 0 and b.programs["prefill"].collective_bytes == 0
+  reshard = b.programs["reshard"]
+  assert reshard.collective_bytes > 0 and b.reshard_s == pytest.approx(reshard.running(1, 1)) and b.reshard_s > 0
+  assert b.schedules == a.schedules  # 2 slots on each of 4 shards either way
+  assert b.update_s == pytest.approx(a.update_s) and b.rollout.decode_s < a.rollout.decode_s
+  assert b.seconds == pytest.approx(b.reshard_s + b.rollout.seconds + b.score_s + b.reference_s + b.update_s)
+  assert b.to_json()["reshard_s"] == b.reshard_s and a.to_json()["reshard_s"] == 0.0
 
 
 def test_lengths_must_be_one_a_rollout():

@@ -12,7 +12,7 @@ from jaxrl_batch.config import family
 from jaxrl_batch.model.compute_copy import is_cast
 from jaxrl_batch.rl.batch import TrainBatch
 from jaxrl_batch.runtime import sharding
-from jaxrl_batch.train import step_builder
+from jaxrl_batch.train import placement, step_builder
 from jaxrl_batch.train.setup import Experiment
 
 
@@ -52,13 +52,33 @@ class AbstractStep:
   state: dict
   ref_params: dict | None  # The reference policy held beside the policy (none with adapters: the policy without them).
   sampler_params: dict  # The policy as the engines read it (`model.compute_copy`).
+  # rollout_mesh.layout='own': the step on rollout_mesh's shape over the same chips, whose engines decode the
+  # rollout from the policy resharded into its layout (`train.decode_layout`); None: this step's engines decode it.
+  generation: "AbstractStep | None" = None
+  # On a generation step: what the learner holds on its chips while the engines decode (its whole state, the master
+  # weights the reshard read included); None: the step's own state (`rollout_resident`).
+  held: int | None = None
   memo: dict = dataclasses.field(default_factory=dict)  # The engine's inputs, laid out once (`engine_inputs`).
 
   @classmethod
   def build(cls, exp: Experiment) -> "AbstractStep":
     graphdef, params = exp.abstract_params(adapters=True)
     parts, state = step_builder.build(exp, graphdef, params)
-    return cls(exp, parts, state, parts.reference_policy(params), parts.sampler_policy(params))
+    step = cls(exp, parts, state, parts.reference_policy(params), parts.sampler_policy(params))
+    if placement.own_layout(exp.config):
+      config = placement.generation_config(exp.config)
+      mesh = sharding.make_mesh(**config.mesh, devices=list(exp.mesh.devices.flat))  # The same chips.
+      member = family.member(config, sharding.data_parallel_size(mesh))
+      generation = Experiment.of_lengths(config, member, mesh, exp.prompt_len, exp.response_len, exp.tokenizer,
+                                         exp.task, None, exp.chat)
+      step.generation = cls.build(generation)
+      step.generation.held = step.resident("params", "opt_state", "critic", "critic_opt_state", "ref")
+    return step
+
+  @property
+  def engines(self) -> "AbstractStep":
+    """The step whose engines decode the rollout (the generation step, or this one)."""
+    return self.generation or self
 
   @property
   def models(self):
@@ -98,8 +118,7 @@ def carries_partial(config: ml_collections.ConfigDict) -> bool:
 
 
 def generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
-  """Why the step's generation is not compiled on this mesh (a rollout mesh, a layout or a process of its own), or
-  None."""
+  """Why the step's generation is not compiled on these chips (a rollout mesh or a process of its own), or None."""
   rollout = config.rollout_mesh
   if rollout.process_cores:
     return (f"rollout_mesh.process_cores={rollout.process_cores!r}: generation runs in a CPU process of its own "
@@ -107,9 +126,6 @@ def generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
   if rollout.devices:
     return (f"rollout_mesh.devices={rollout.devices} (generation on chips of its own) is not compiled yet: the "
             "check builds one mesh over every chip")
-  if rollout.layout == "own":
-    return ("rollout_mesh.layout='own': generation decodes on rollout_mesh's shape over these chips "
-            "(`train.decode_layout`), not compiled here yet; `launch.decode_roofline` compiles its decode step")
   return None
 
 
@@ -137,7 +153,9 @@ def _learner_policy(step: AbstractStep) -> int:
 
 def rollout_resident(step: AbstractStep) -> int:
   """What the learner leaves in HBM while the policy decodes (a rollout, or the evaluation): its state but the
-  policy the engines read."""
+  policy the engines read; on a generation step of its own layout, the learner's whole state (`held`)."""
+  if step.held is not None:
+    return step.held
   return step.resident("opt_state", "critic", "critic_opt_state", "ref") + _learner_policy(step)
 
 

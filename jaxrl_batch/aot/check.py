@@ -8,6 +8,9 @@ calls, with the static arguments it passes:
   score      `rl.forward.logprobs_and_values`: the trainer's old log-probs (rl.old_logp='trainer') and the critic's
              old values.
   reference  the same function on the frozen reference policy: its log-probs (rl.kl_coef > 0).
+  reshard    rollout_mesh.layout='own': `train.decode_layout.reshard`, the policy cast to the compute dtype and laid
+             out on the rollout mesh (rollout_mesh's shape over the same chips), once a step; the rollout's
+             programs below then compile on that mesh, the learner's whole state resident meanwhile.
   rollout    the static engine's `sampling.generate` (prefill and the whole decode loop), as
              `train.collector.sample_round` runs it for one block of all rows.
   prefill    the continuous engine's `sampling.continuous.prefill_prompts`: the step's Q prompts (one per group; with
@@ -24,7 +27,7 @@ calls, with the static arguments it passes:
              compute dtype (`model.compute_copy`), not one program, reported by its bytes per chip (no compile, no
              cost).
 There is no copy of a program here: when the trainer's program changes, the check compiles the new one. A program
-the config's step does not run is reported as skipped, with the reason (also a rollout mesh of its own and the
+the config's step does not run is reported as skipped, with the reason (also generation on chips of its own and the
 generator process: not compiled yet). The engine's inputs are laid out as the trainer's are: the prefix and the
 slots come from compiling `continuous.prefill_prompts` and `continuous.slots_starter` and reading their output
 shardings.
@@ -51,7 +54,7 @@ import jax
 import ml_collections
 
 from jaxrl_batch.aot.abstract_step import AbstractStep, abstract_experiment, carries_partial
-from jaxrl_batch.aot.programs import BUILDERS, FUNCTIONS, PROGRAMS, Copy
+from jaxrl_batch.aot.programs import FUNCTIONS, PROGRAMS, Copy, program
 from jaxrl_batch.aot.report import GIB, Memory, ProgramReport, Report, cost_of, memory_of, parse_oom, per_chip_bytes
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.train import evaluation
@@ -102,7 +105,7 @@ def _knobs(name: str, exp: Experiment) -> list[str]:
 
 
 def _compile_one(name: str, step: AbstractStep, hbm: int) -> ProgramReport:
-  built = BUILDERS[name](step)
+  built = program(name, step)
   report = ProgramReport(name, FUNCTIONS[name], "skipped")
   if isinstance(built, str):
     report.verdict = f"skipped: {built}"
@@ -113,12 +116,11 @@ def _compile_one(name: str, step: AbstractStep, hbm: int) -> ProgramReport:
     report = _judge(report, name, step.exp, hbm)
     report.verdict += " (not compiled: the bytes it copies)"
     return report
-  fn, args, kwargs, resident, report.shape = built
-  report.function = f"{fn.__module__}.{fn.__name__}"
+  resident, report.shape = built.resident, built.shape
+  report.function = f"{built.fn.__module__}.{built.fn.__name__}"
   start = time.perf_counter()
   try:
-    with jax.set_mesh(step.exp.mesh):
-      compiled = fn.lower(*args, **kwargs).compile()
+    compiled = built.lower().compile()
   except Exception as e:  # pylint: disable=broad-except  # Out of memory, or a program that does not build: reported.
     report.compile_seconds = time.perf_counter() - start
     oom = parse_oom(str(e))
@@ -196,5 +198,5 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
              prompt_len=exp.prompt_len, response_len=exp.response_len,
              micro_batch_tokens=exp.config.micro_batch_tokens,
              engine=exp.engine.engine, slots=exp.engine.slots, state_bytes_per_chip=per_chip_bytes(step.state))
-  mesh = {k: int(v) for k, v in exp.mesh.shape.items()}
-  return Report(topology_json, mesh, run, results)
+  mesh, rollout_mesh = ({k: int(v) for k, v in s.exp.mesh.shape.items()} for s in (step, step.engines))
+  return Report(topology_json, mesh, run, results, rollout_mesh)

@@ -165,8 +165,8 @@ def measure(config: ml_collections.ConfigDict, topology: str, concurrencies, pro
 
 def lower_step(step_: AbstractStep, inputs: dict):
   """`step` lowered for the engine's slots as `engine_inputs` lays them out (every slot live, the cache at its
-  longest bucket)."""
-  state, call = inputs["state"], inputs["call"]
+  longest bucket), on the mesh the engines decode on (`AbstractStep.engines`)."""
+  state, call, step_ = inputs["state"], inputs["call"], step_.engines
   uid_S = jax.ShapeDtypeStruct(state.token_S.shape, jnp.int32, sharding=state.token_S.sharding)
   with jax.set_mesh(step_.exp.mesh):
     return step.lower(step_.models.graphdef, step_.sampler_params, state, uid_S, inputs["key"],
@@ -176,7 +176,7 @@ def lower_step(step_: AbstractStep, inputs: dict):
 
 def compile_step(step_: AbstractStep, inputs: dict):
   """`lower_step` compiled."""
-  with jax.set_mesh(step_.exp.mesh):
+  with jax.set_mesh(step_.engines.exp.mesh):
     return lower_step(step_, inputs).compile()
 
 

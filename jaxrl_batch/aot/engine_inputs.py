@@ -48,7 +48,9 @@ class Call:
 
 def engine_call(step: AbstractStep, evaluating: bool) -> Call | str:
   """The engine's call for the step's rollout (`Collector`, `PartialCollector`) or, `evaluating`, for the
-  evaluation's greedy pass; or why the continuous engine does not run it on this mesh."""
+  evaluation's greedy pass; or why the continuous engine does not run it on this mesh. The rollout's is the
+  generation step's (`AbstractStep.engines`: a layout of its own)."""
+  step = step if evaluating else step.engines
   exp, m, config = step.exp, step.exp.member, step.exp.config
   dp = sharding.data_parallel_size(exp.mesh)
   if evaluating:
@@ -118,7 +120,9 @@ def engine_inputs(step: AbstractStep, evaluating: bool) -> dict | str:
   """Every argument of the engine's chunk, laid out as the trainer's are (the prefix by compiling
   `continuous.prefill_prompts`, the slots and outputs by compiling `continuous.slots_starter`), with the cache at
   its longest: the slot cache's last bucket, or the paged cache's whole pool and every slot's longest page row.
-  Memoised on the step; a str where the engine does not run or its inputs do not compile."""
+  Memoised on the step; a str where the engine does not run or its inputs do not compile. The rollout's are the
+  generation step's (`AbstractStep.engines`)."""
+  step = step if evaluating else step.engines
   key = ("engine", evaluating)
   if key in step.memo:
     return step.memo[key]

@@ -1,8 +1,10 @@
-"""Each program of a step, as the trainer calls it: (the jitted function, its arguments as sharded structs, its static
-arguments, the bytes resident meanwhile, a line saying its shape), or why the config's step does not run it. The
-learner's programs take their static arguments from the run's own `rl.learner.Learner` (`train.step_builder`)."""
+"""Each program of a step, as the trainer calls it (`program`): the jitted function, its arguments as sharded structs,
+its static arguments, the bytes resident meanwhile, a line saying its shape and the mesh it runs on; or why the
+config's step does not run it. The learner's programs take their static arguments from the run's own
+`rl.learner.Learner` (`train.step_builder`)."""
 import dataclasses
 import types
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +17,18 @@ from jaxrl_batch.aot.report import GIB, per_chip_bytes
 from jaxrl_batch.rl import forward, update
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.sampling import Strategy, continuous, generate
-from jaxrl_batch.train import collector, evaluation
+from jaxrl_batch.train import collector, decode_layout, evaluation
 
 
-PROGRAMS = ("update", "score", "reference", "rollout", "prefill", "decode", "reprefill", "eval_fill", "eval",
-            "publish")
+PROGRAMS = ("update", "score", "reference", "reshard", "rollout", "prefill", "decode", "reprefill", "eval_fill",
+            "eval", "publish")
+# The rollout's programs: on the generation step's mesh where the engines decode in a layout of their own.
+ROLLOUT_PROGRAMS = ("rollout", "prefill", "decode", "reprefill")
 # The function each program compiles (the rollout's: `sampling.generate` itself when it runs in blocks of slots; the
 # eval's: `continuous.decode_chunk` with the continuous engine). The publish is no program: the copy of its bytes.
 FUNCTIONS = dict(update="jaxrl_batch.rl.update.update", score="jaxrl_batch.rl.forward.logprobs_and_values",
                  reference="jaxrl_batch.rl.forward.logprobs_and_values",
+                 reshard="jaxrl_batch.train.decode_layout.reshard",
                  rollout="jaxrl_batch.train.collector.sample_round",
                  prefill="jaxrl_batch.sampling.continuous.prefill_prompts",
                  decode="jaxrl_batch.sampling.continuous.decode_chunk",
@@ -87,6 +92,18 @@ def _forward_shape(step: AbstractStep, rows: int) -> str:
   if packing is None:
     return f"batch {rows} x {step.length} tokens in {num_micro} forward(s) of {rows // num_micro}"
   return f"batch {rows} x {step.length} tokens packed, {packing.rows} rows of {packing.length} per micro-batch"
+
+
+def _program_reshard(step: AbstractStep):
+  generation = step.generation
+  if generation is None:
+    return "rollout_mesh.layout='trainer': the engines read the policy in the trainer's layout"
+  learner_mesh, mesh = (dict(s.exp.mesh.shape) for s in (step, generation))
+  shape = (f"the policy's {step.exp.model_cfg.num_params() / 1e6:.1f}M parameters from the learner's mesh "
+           f"{learner_mesh} to the engines' {mesh} in {step.exp.model_cfg.dtype}, once a step")
+  resident = step.resident("opt_state", "critic", "critic_opt_state", "ref")
+  kwargs = dict(dtype=step.exp.model_cfg.compute_dtype)
+  return decode_layout.resharder(generation.exp), (step.state["params"],), kwargs, resident, shape
 
 
 def _program_rollout(step: AbstractStep):
@@ -229,6 +246,31 @@ def _program_publish(step: AbstractStep):
   return Copy(params, copy, resident, shape, how)
 
 
-BUILDERS = dict(update=_program_update, score=_program_score, reference=_program_reference, rollout=_program_rollout,
-                prefill=_program_prefill, decode=_program_decode, reprefill=_program_reprefill,
-                eval_fill=_program_eval_fill, eval=_program_eval, publish=_program_publish)
+_BUILDERS = dict(update=_program_update, score=_program_score, reference=_program_reference, reshard=_program_reshard,
+                 rollout=_program_rollout, prefill=_program_prefill, decode=_program_decode,
+                 reprefill=_program_reprefill, eval_fill=_program_eval_fill, eval=_program_eval,
+                 publish=_program_publish)
+
+
+class Program(NamedTuple):
+  """One program of a step: `fn` (jitted) lowered with `args` and its static `kwargs` under `mesh`; `resident`: the
+  bytes per chip the step holds meanwhile that are not its arguments; `shape`: a line saying what it computes."""
+  fn: Callable
+  args: tuple
+  kwargs: dict
+  resident: int
+  shape: str
+  mesh: jax.sharding.Mesh
+
+  def lower(self):
+    with jax.set_mesh(self.mesh):
+      return self.fn.lower(*self.args, **self.kwargs)
+
+
+def program(name: str, step: AbstractStep) -> Program | Copy | str:
+  """Program `name` (in PROGRAMS) of the step as a run executes it: the rollout's on the generation step where the
+  engines decode in a layout of their own (`AbstractStep.engines`); the publish's copy; or why the step does not run
+  it."""
+  on = step.engines if name in ROLLOUT_PROGRAMS else step
+  built = _BUILDERS[name](on)
+  return Program(*built, on.exp.mesh) if isinstance(built, tuple) else built

@@ -61,7 +61,11 @@ class Report:
   mesh: dict
   run: dict
   programs: list[ProgramReport]
+  rollout_mesh: dict = None  # The mesh the rollout's programs compile on (rollout_mesh.layout='own'); None: `mesh`.
   created: str = dataclasses.field(default_factory=lambda: datetime.datetime.now().isoformat(timespec="seconds"))
+
+  def __post_init__(self):
+    self.rollout_mesh = self.rollout_mesh or self.mesh
 
   def program(self, name: str) -> ProgramReport:
     return next(p for p in self.programs if p.name == name)
@@ -69,7 +73,7 @@ class Report:
   def to_json(self) -> dict:
     """The aot_check.json contract (docs/scaling.md lists every field)."""
     return dict(schema_version=SCHEMA_VERSION, created=self.created, topology=self.topology, mesh=self.mesh,
-                run=self.run, programs=[dataclasses.asdict(p) for p in self.programs])
+                rollout_mesh=self.rollout_mesh, run=self.run, programs=[dataclasses.asdict(p) for p in self.programs])
 
   def table(self) -> str:
     """A fixed-width table of the programs, sizes in GiB per chip, then one verdict line each."""
@@ -78,12 +82,13 @@ class Report:
     fmt = "{:<10}" + "{:>10}" * (len(head) - 1)
     gib = lambda x: "-" if x is None else f"{x / GIB:.2f}"
     num = lambda x, scale, digits: "-" if x is None else f"{x / scale:.{digits}f}"
+    mesh = f"mesh {self.mesh}" + (f" (the rollout on {self.rollout_mesh})" if self.rollout_mesh != self.mesh else "")
     if self.topology.get("platform", "tpu") == "tpu":
       title = (f"{self.topology['name']} x {self.topology['num_slices']} slice(s): {self.topology['num_chips']} "
-               f"chips ({self.topology['device_kind']}), mesh {self.mesh}; sizes in GiB per chip")
+               f"chips ({self.topology['device_kind']}), {mesh}; sizes in GiB per chip")
     else:  # GPU nodes: HBM is the allocator's share of the device; no cost analysis.
       title = (f"{self.topology['name']} x {self.topology['num_slices']} node(s): {self.topology['num_chips']} GPUs "
-               f"({self.topology['device_kind']}), mesh {self.mesh}; sizes in GiB per GPU, HBM = "
+               f"({self.topology['device_kind']}), {mesh}; sizes in GiB per GPU, HBM = "
                f"{self.topology['memory_fraction']:.0%} of {self.topology['device_memory_bytes'] / GIB:.2f} GiB "
                "(XLA_CLIENT_MEM_FRACTION); no compiler costs on GPU")
     lines = [title, fmt.format(*head)]

@@ -199,10 +199,12 @@ class ProgramTime:
 
 def program_time(compiled, rates: Rates) -> ProgramTime:
   """The roofline of a compiled executable (`jax.jit(...).lower(...).compile()`) at `rates`. Raises ValueError
-  where the compiler gives no flops or bytes (XLA's GPU executables report no cost analysis)."""
+  where the compiler gives no bytes (XLA's GPU executables report no cost analysis); no flops are 0 flops (a
+  program that only moves data, as the reshard)."""
   cost = aot.cost_of(compiled)
-  if cost.flops is None or cost.bytes_accessed is None:
+  if cost.bytes_accessed is None:
     raise ValueError(f"{rates.name}: the compiler reports no cost analysis (flops, bytes accessed) for this program.")
+  cost = dataclasses.replace(cost, flops=cost.flops or 0.0)
   found = tuple(collectives(compiled.as_text()))
   sent = sum(c.sent_bytes for c in found)
   if sent and not rates.interconnect_bytes_per_s:

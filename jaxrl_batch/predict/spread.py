@@ -35,8 +35,9 @@ _step = jax.jit(decode_roofline.step.__wrapped__, static_argnames=("graphdef", "
 
 
 def on_zeros(step, inputs):
-  """A call that runs the decode step of `decode_roofline.engine_step`'s (step, inputs) once, on zeros."""
-  state, call = zeros(inputs["state"]), inputs["call"]
+  """A call that runs the decode step of `decode_roofline.engine_step`'s (step, inputs) once, on zeros (on the mesh
+  the engines decode on, `AbstractStep.engines`)."""
+  state, call, step = zeros(inputs["state"]), inputs["call"], step.engines
   return functools.partial(_step, step.models.graphdef, zeros(step.sampler_params), state,
                            jnp.zeros(state.token_S.shape, jnp.int32), zeros(inputs["key"]),
                            p=inputs["prefix"].valid_QxP.shape[1], sampling=call.sampling,
@@ -57,5 +58,5 @@ def executions(run, count: int, mesh) -> np.ndarray:
 
 def rollout_spread(step, inputs, count: int = 100) -> float:
   """The mean of `count` executions of the decode step over their best (module docstring)."""
-  seconds = executions(on_zeros(step, inputs), count, step.exp.mesh)
+  seconds = executions(on_zeros(step, inputs), count, step.engines.exp.mesh)
   return float(seconds.mean() / seconds.min())

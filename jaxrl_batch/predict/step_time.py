@@ -29,6 +29,7 @@ from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling.roofline import measure_machine
+from jaxrl_batch.train import placement
 from jaxrl_batch import aot
 from jaxrl_batch.aot import decode_roofline
 
@@ -55,10 +56,11 @@ class StepTime:
   programs: dict[str, ProgramTime]
   decode_by_length: dict[int, ProgramTime]
   rollout_spread: float = 1.0
+  reshard_s: float = 0.0  # rollout_mesh.layout='own': the policy laid out for decoding, once a step.
 
   @property
   def seconds(self) -> float:
-    return self.rollout.seconds + self.score_s + self.reference_s + self.update_s + self.reward_s
+    return self.reshard_s + self.rollout.seconds + self.score_s + self.reference_s + self.update_s + self.reward_s
 
   @property
   def samples_per_s(self) -> float:
@@ -79,7 +81,7 @@ class StepTime:
     """The step's parts (plan.json rows' `step`), and each program's peak bytes per chip (`peak_bytes`: the decode
     step's at its longest cache bucket; what the step holds besides, optimizer state or the reference policy, is
     `launch.aot_check`'s to add)."""
-    return dict(seconds=self.seconds, rollout_s=self.rollout.seconds, decode_s=self.rollout.decode_s,
+    return dict(seconds=self.seconds, reshard_s=self.reshard_s, rollout_s=self.rollout.seconds, decode_s=self.rollout.decode_s,
                 prefill_s=self.rollout.prefill_s, score_s=self.score_s, reference_s=self.reference_s,
                 update_s=self.update_s, decode_steps=self.decode_steps, draws=len(self.schedules),
                 decode_step_s=self.programs["decode"].seconds, rollout_spread=self.rollout_spread,
@@ -133,13 +135,9 @@ class _Timer:
 
 
 def _lowered(name: str, step: aot.AbstractStep):
-  """Program `name` of the step (`aot.BUILDERS`) lowered, or None where the step does not run it."""
-  built = aot.BUILDERS[name](step)
-  if isinstance(built, str):
-    return None
-  fn, args, kwargs, _, _ = built
-  with jax.set_mesh(step.exp.mesh):
-    return fn.lower(*args, **kwargs)
+  """Program `name` of the step (`aot.program`) lowered, or None where the step does not run it."""
+  built = aot.program(name, step)
+  return None if isinstance(built, str) else built.lower()
 
 
 def target(topology: str, config: ml_collections.ConfigDict, num_slices: int = 1) -> tuple[tuple, Rates]:
@@ -200,15 +198,29 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   exp = aot.abstract_experiment(config, devices, prompt_len, response_len)
   m = exp.member
   lengths_DxB, prompts_DxB = _draws(exp, lengths_B, prompt_lengths_B)
-  dp = sharding.data_parallel_size(exp.mesh)
+  dp = _engine_shards(config, devices)
   block = exp.engine.slots * dp or m.batch_size  # rows decoding at once on the slice
   # The member's step with its rollout on `block` slots: the decode step, the prefill and the learner's programs
   # (which the engine's settings leave unchanged) compile against it.
   step, inputs = decode_roofline.engine_step(config, devices, exp.prompt_len, exp.response_len, block // dp)
-  schedules, rollout, programs, by_length, rollout_spread = _rollout(exp, step, inputs, timer, lengths_DxB, block)
+  schedules, rollout, programs, by_length, rollout_spread = _rollout(step.engines.exp, step, inputs, timer,
+                                                                     lengths_DxB, block)
   score_s, reference_s, update_s = _learner(exp, step, timer, lengths_DxB, prompts_DxB, programs)
+  reshard = aot.program("reshard", step)
+  if isinstance(reshard, aot.Program):
+    programs["reshard"] = timer.time(reshard.lower(), reshard.mesh, "the reshard program", m.batch_size,
+                                     _LEARNER_KNOBS)
+  reshard_s = programs["reshard"].running(1, 1) if "reshard" in programs else 0.0
   return StepTime(m.batch_size, schedules, rollout, score_s, reference_s, update_s, reward_s, programs, by_length,
-                  rollout_spread)
+                  rollout_spread, reshard_s)
+
+
+def _engine_shards(config: ml_collections.ConfigDict, devices) -> int:
+  """Data-parallel shards of the mesh the rollout decodes on: the run's, or with rollout_mesh.layout='own'
+  rollout_mesh's over the same devices (`train.decode_layout`)."""
+  if placement.own_layout(config):
+    config = placement.generation_config(config)
+  return sharding.data_parallel_size(sharding.make_mesh(**config.mesh, devices=devices))
 
 
 def _draws(exp, lengths_B, prompt_lengths_B) -> tuple[np.ndarray, np.ndarray]:

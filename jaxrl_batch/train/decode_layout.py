@@ -10,7 +10,6 @@ learner's mesh, batch-sharded, as those of generation on devices of its own do; 
 `reshard_s`.
 """
 import dataclasses
-import functools
 import time
 
 import jax
@@ -19,7 +18,21 @@ from jaxrl_batch.model import compute_copy
 from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train.collector import Collector
+from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.train.step_row import RolloutStats
+
+
+def reshard(params, dtype):
+  """The engines' policy: the learner's `params` cast to the compute `dtype` (`model.compute_copy`), in the layout
+  its program's outputs have (`resharder`)."""
+  return compute_copy(params, dtype)
+
+
+def resharder(rollout_exp: Experiment):
+  """The one program that makes the engines' policy from the learner's: `reshard`, its outputs laid out as
+  `rollout_exp`'s mesh lays out its parameters. Call it as `program(params, dtype=model_cfg.compute_dtype)`."""
+  layouts = jax.tree.map(lambda x: x.sharding, rollout_exp.abstract_params(adapters=True)[1])
+  return jax.jit(reshard, static_argnames="dtype", out_shardings=layouts)
 
 
 class ResharedCollector:
@@ -28,15 +41,12 @@ class ResharedCollector:
 
   def __init__(self, collector: Collector, learner_mesh: jax.sharding.Mesh):
     self.collector, self.exp, self.learner_mesh = collector, collector.exp, learner_mesh
-    layouts = jax.tree.map(lambda x: x.sharding, self.exp.abstract_params(adapters=True)[1])
-    # One program: the policy cast to the compute dtype and laid out for decoding.
-    self.reshard = jax.jit(functools.partial(compute_copy, dtype=self.exp.model_cfg.compute_dtype),
-                           out_shardings=layouts)
+    self.reshard = resharder(self.exp)
 
   def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
     """The step's rollouts (on the learner's mesh) and statistics, `reshard_s` the seconds of the reshard."""
     start = time.time()
-    policy = jax.block_until_ready(self.reshard(params))
+    policy = jax.block_until_ready(self.reshard(params, dtype=self.exp.model_cfg.compute_dtype))
     reshard_s = time.time() - start
     rollouts, stats = self.collector.collect(graphdef, policy, step)
     layouts = jax.tree.map(lambda x: sharding.batch_sharding(self.learner_mesh, x.ndim), rollouts)
