@@ -50,7 +50,6 @@ fitting, with the figures of the compiler's message.
 """
 import time
 
-import jax
 import ml_collections
 
 from jaxrl_batch.aot.abstract_step import AbstractStep, abstract_experiment, carries_partial
