@@ -59,6 +59,9 @@ flags.DEFINE_string("topology", None, "Predict R on this TPU topology (v5p:4x4x2
                     "programs instead of measuring it here; 'cpu': predicted for this machine's CPU at its measured "
                     "rates (to check the prediction against the measured sweep).")
 flags.DEFINE_integer("num_slices", 1, "With --topology: slices of it.")
+flags.DEFINE_bool("compare_layouts", False, "With --topology: predict each member's step in every decode layout its "
+                  "chips allow (the trainer's, and rollout_mesh.layout='own' on each data x tensor x expert mesh) and "
+                  "plan with the fastest; plan.json's `step.layouts` lists them.")
 flags.DEFINE_string("samples_model", None, "S_MIN:B_NOISE: S(B) = S_MIN (1 + B / B_NOISE) samples to target, given "
                     "instead of fitted to WORKDIR/analysis.json (which is then not read).")
 flags.DEFINE_string("noise_run", None, "A run directory that logged noise_scale (e.g. the reference member with "
@@ -200,7 +203,8 @@ def _predicted_steps(batches: list[int]) -> dict[int, step_time.StepTime | step_
   member = lambda batch: member_config(module, base_arg, dict(batch=batch, lr_rule=FLAGS.rule, seed=0), FLAGS.set)
   return step_time.sweep(member, batches, FLAGS.topology, FLAGS.lengths, prompt_len=FLAGS.prompt_tokens,
                          response_len=FLAGS.response_tokens, num_slices=FLAGS.num_slices,
-                         prompt_lengths_spec=FLAGS.prompt_lengths, samples=FLAGS.min_samples)
+                         prompt_lengths_spec=FLAGS.prompt_lengths, samples=FLAGS.min_samples,
+                         layouts=FLAGS.compare_layouts)
 
 
 if __name__ == "__main__":

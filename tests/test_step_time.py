@@ -2,6 +2,7 @@
 devices): the parts add up as the engine's schedule and the loop counts say, and decode being bandwidth-bound at low
 concurrency, a 4x larger batch is predicted to train more rollouts per second; `launch.plan_batch --topology`
 plans with those predictions."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import grpo_gsm8k_qwen
-from jaxrl_batch.predict import engine_time, lengths, step_time
+from jaxrl_batch.predict import decode_layouts, engine_time, lengths, step_time
 from jaxrl_batch import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,6 +85,33 @@ def test_a_decode_layout_of_its_own_gathers_no_weights_a_step_and_adds_its_resha
   assert b.to_json()["reshard_s"] == b.reshard_s and a.to_json()["reshard_s"] == 0.0
 
 
+@pytest.mark.slow
+def test_the_plan_compares_every_decode_layout_of_the_chips_and_keeps_the_fastest(compile_only_tpu):
+  """Trained with fsdp 4 on 4 chips, a member decodes in the trainer's layout or on data 4, data 2 x tensor 2 or
+  tensor 4 (4 heads): each predicted as `predict` predicts it, fastest first; the step returned is the fastest."""
+  compile_only_tpu("v5e:2x2")
+  config = _config(16, engine="continuous", slots=2, chunk=4)
+  config.mesh.update(data=1, fsdp=4)
+  drawn = _lengths(16)
+  got = step_time.compare_layouts(config, "v5e:2x2", drawn, prompt_len=PROMPT, response_len=RESPONSE)
+  mesh = lambda **sizes: dict(dict(data=1, fsdp=1, tensor=1, expert=1), **sizes)
+  assert sorted((t.layout, sorted(t.rollout_mesh.items())) for t in got.layouts) == sorted(
+      (layout, sorted(m.items())) for layout, m in (("trainer", mesh(fsdp=4)), ("own", mesh(data=4)),
+                                                    ("own", mesh(data=2, tensor=2)), ("own", mesh(tensor=4))))
+  seconds = [t.seconds for t in got.layouts]
+  assert not any(t.refused for t in got.layouts) and seconds == sorted(seconds)
+  assert (got.layout, got.rollout_mesh, got.seconds) == (got.layouts[0].layout, got.layouts[0].rollout_mesh,
+                                                        seconds[0])
+  data4 = step_time.predict(decode_layouts.with_layout(config, "own", data=4), "v5e:2x2", drawn, prompt_len=PROMPT,
+                            response_len=RESPONSE)
+  entry = next(t for t in got.layouts if t.rollout_mesh == data4.rollout_mesh)
+  assert (entry.seconds, entry.reshard_s, entry.rollout_s) == pytest.approx(
+      (data4.seconds, data4.reshard_s, data4.rollout.seconds))
+  trainer = next(t for t in got.layouts if t.layout == "trainer")
+  assert trainer.reshard_s == 0.0 and got.layout == "own" and got.seconds < trainer.seconds
+  assert got.to_json()["layouts"][0] == dataclasses.asdict(got.layouts[0])
+
+
 def test_lengths_must_be_one_a_rollout():
   with pytest.raises(ValueError, match="one a rollout"):
     step_time.predict(_config(16), "v5e:2x2", _lengths(8), prompt_len=PROMPT, response_len=RESPONSE)
@@ -97,15 +125,16 @@ def test_lengths_must_be_one_a_rollout():
 
 @pytest.mark.slow
 def test_plan_batch_predicts_r_on_a_topology_without_training(tmp_path, compile_only_tpu):
-  """`launch.plan_batch --topology`: rows marked predicted, R = B / the predicted step, the decision rule's factors,
-  the S(B) fit from analysis.json as without it; no run directory is made."""
+  """`launch.plan_batch --topology --compare_layouts`: rows marked predicted, R = B / the predicted step (in the
+  fastest decode layout), the decision rule's factors, the S(B) fit from analysis.json as without it; no run
+  directory is made."""
   compile_only_tpu("v5e:2x2")
   analysis = dict(target=0.5, members=[dict(batch=b, rule="sqrt", samples_to_target=s, time_to_target_s=None)
                                        for b, s in ((16, 640), (32, 768))])
   (tmp_path / "analysis.json").write_text(json.dumps(analysis))
   cmd = [sys.executable, "-m", "launch.plan_batch", "--config=configs/grpo_gsm8k_qwen.py:model=tiny_random",
          f"--workdir={tmp_path}", "--topology=v5e:2x2", "--batches=16,32", "--prompt_tokens=32",
-         "--response_tokens=32", "--lengths=lognormal:12:0.7", "--set=model.num_layers=1"]
+         "--response_tokens=32", "--lengths=lognormal:12:0.7", "--set=model.num_layers=1", "--compare_layouts"]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
   plan = json.loads((tmp_path / "plan.json").read_text())
@@ -114,8 +143,12 @@ def test_plan_batch_predicts_r_on_a_topology_without_training(tmp_path, compile_
   for batch, row in rows.items():
     assert row["predicted"] and row["throughput_samples_per_s"] == pytest.approx(batch / row["step"]["seconds"])
     assert row["step"]["decode_steps"] > 0 and row["step"]["update_s"] > 0 and row["step"]["rollout_spread"] == 1.0
+    # --compare_layouts: the recipe's data 4 (the trainer's), data 2 x tensor 2 and tensor 4; planned in the fastest.
+    layouts = row["step"]["layouts"]
+    assert len(layouts) == 3 and row["step"]["seconds"] == layouts[0]["seconds"] <= layouts[-1]["seconds"]
   assert rows[16]["throughput_gain"] == 1.0 and rows[32]["samples_penalty"] == pytest.approx(768 / 640)
-  assert "R(B) predicted for v5e:2x2" in (tmp_path / "plan.md").read_text()
+  plan_md = (tmp_path / "plan.md").read_text()
+  assert "R(B) predicted for v5e:2x2" in plan_md and "Decode layouts of batch 32, fastest first: " in plan_md
   assert sorted(os.listdir(tmp_path)) == ["analysis.json", "plan.json", "plan.md"]
 
 

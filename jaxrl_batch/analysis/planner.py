@@ -104,7 +104,22 @@ def render(result: dict) -> str:
             f"fastest trained member: {result['measured_best_batch'] or '-'}.", ""]
   for refused in result.get("refused", ()):
     lines += [f"Not predicted: batch {refused['batch']}: {refused['reason']}", ""]
-  return "\n".join(lines)
+  return "\n".join(lines + _layout_lines(result))
+
+
+def _layout_lines(result: dict) -> list[str]:
+  """Each member's predicted step in every decode layout (`launch.plan_batch --compare_layouts`), fastest first."""
+  mesh = lambda m: " x ".join(f"{axis} {size}" for axis, size in m.items() if size > 1) or "one chip"
+  lines = []
+  for r in result["rows"]:
+    layouts = r.get("step", {}).get("layouts")
+    if not layouts:
+      continue
+    kinds = [f"{t['layout']} ({mesh(t['rollout_mesh'])}): refused, {t['refused']}" if t["refused"] else
+             f"{t['layout']} ({mesh(t['rollout_mesh'])}): {t['seconds']:.4f} s, rollout {t['rollout_s']:.4f} s"
+             + (f" + reshard {t['reshard_s']:.4f} s" if t["reshard_s"] else "") for t in layouts]
+    lines += [f"Decode layouts of batch {r['batch']}, fastest first: " + "; ".join(kinds) + ".", ""]
+  return lines
 
 
 def _given_line(result: dict) -> str:

@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_batch.model import KVCache, ModelConfig
-from jaxrl_batch.predict import engine_time, kernel_rates, lengths, spread
+from jaxrl_batch.predict import decode_layouts, engine_time, kernel_rates, lengths, spread
 from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, topologies
@@ -57,6 +57,9 @@ class StepTime:
   decode_by_length: dict[int, ProgramTime]
   rollout_spread: float = 1.0
   reshard_s: float = 0.0  # rollout_mesh.layout='own': the policy laid out for decoding, once a step.
+  layout: str = "trainer"  # rollout_mesh.layout, and the mesh the rollout decodes on.
+  rollout_mesh: dict | None = None
+  layouts: tuple["LayoutTime", ...] = ()  # `compare_layouts`: the step in each decode layout, fastest first.
 
   @property
   def seconds(self) -> float:
@@ -86,7 +89,20 @@ class StepTime:
                 update_s=self.update_s, decode_steps=self.decode_steps, draws=len(self.schedules),
                 decode_step_s=self.programs["decode"].seconds, rollout_spread=self.rollout_spread,
                 mean_response_tokens=float(np.mean([s.decoded for s in self.schedules])) / self.batch + 1,
-                peak_bytes={name: p.peak_bytes for name, p in self.programs.items()})
+                peak_bytes={name: p.peak_bytes for name, p in self.programs.items()}, layout=self.layout,
+                rollout_mesh=self.rollout_mesh, layouts=[dataclasses.asdict(t) for t in self.layouts])
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutTime:
+  """A member's step predicted in one decode layout (`decode_layouts.candidates`): its seconds, the reshard's and
+  the rollout's; or, where the target cannot hold or lay it out, why (`refused`, the seconds 0)."""
+  layout: str
+  rollout_mesh: dict
+  seconds: float = 0.0
+  reshard_s: float = 0.0
+  rollout_s: float = 0.0
+  refused: str = ""
 
 
 # What shrinks a refused program (DoesNotFit's advice): the engine's, by its slots a chip; the learner's.
@@ -211,8 +227,37 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
     programs["reshard"] = timer.time(reshard.lower(), reshard.mesh, "the reshard program", m.batch_size,
                                      _LEARNER_KNOBS)
   reshard_s = programs["reshard"].running(1, 1) if "reshard" in programs else 0.0
+  mesh = {axis: int(size) for axis, size in step.engines.exp.mesh.shape.items()}
   return StepTime(m.batch_size, schedules, rollout, score_s, reference_s, update_s, reward_s, programs, by_length,
-                  rollout_spread, reshard_s)
+                  rollout_spread, reshard_s, config.rollout_mesh.layout, mesh)
+
+
+def compare_layouts(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prompt_len: int,
+                    response_len: int, num_slices: int = 1, rates: Rates | None = None, timer: _Timer | None = None,
+                    prompt_lengths_B=None) -> StepTime:
+  """The member's step (`predict`, same arguments) in the fastest of the decode layouts its chips allow
+  (`decode_layouts.candidates`: the trainer's and each of its own), its `layouts` every candidate's, fastest first
+  and refused ones last. The learner's programs are the same in each: one `_Timer` compiles them once. Raises
+  DoesNotFit where no layout fits."""
+  if rates is None:
+    devices, rates = target(topology, config, num_slices)
+  else:
+    devices = tuple(jax.devices("cpu")) if topology == CPU else topologies.compile_only(topology, num_slices).devices
+  timer = timer if timer is not None and timer.rates == rates else _Timer(rates)
+  steps, times = [], []
+  for candidate in decode_layouts.candidates(config, len(devices)):
+    try:
+      step = predict(candidate, topology, lengths_B, prompt_len=prompt_len, response_len=response_len,
+                     num_slices=num_slices, rates=rates, timer=timer, prompt_lengths_B=prompt_lengths_B)
+    except Exception as e:  # pylint: disable=broad-except  # Too big, or a mesh the batch or weights cannot split over.
+      times.append(LayoutTime(*decode_layouts.describe(candidate), refused=str(e).splitlines()[0][:300]))
+      continue
+    steps.append(step)
+    times.append(LayoutTime(step.layout, step.rollout_mesh, step.seconds, step.reshard_s, step.rollout.seconds))
+  if not steps:
+    raise DoesNotFit(f"Batch {config.batch_size}: no decode layout fits: " + "; ".join(t.refused for t in times))
+  times.sort(key=lambda t: (bool(t.refused), t.seconds))
+  return dataclasses.replace(min(steps, key=lambda s: s.seconds), layouts=tuple(times))
 
 
 def _engine_shards(config: ml_collections.ConfigDict, devices) -> int:
@@ -297,14 +342,14 @@ def _learner(exp, step, timer: _Timer, lengths_DxB: np.ndarray, prompts_DxB: np.
 
 
 def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_len: int, response_len: int,
-          num_slices: int = 1, prompt_lengths_spec: str | None = None, samples: int = 0
+          num_slices: int = 1, prompt_lengths_spec: str | None = None, samples: int = 0, layouts: bool = False
           ) -> dict[int, StepTime | DoesNotFit]:
   """Each batch's member (`member_config(batch)`: its ConfigDict) predicted on `topology`, the mean step over
   max(MIN_DRAWS, ceil(samples / B)) draws of its B response lengths from `lengths_spec` (`lengths.response_lengths`, the
   same seed for every member) and, given `prompt_lengths_spec`, of its prompts' own lengths (clipped to
   `prompt_len`; another seed), all at the rates of the first member's target (CPU rates are measured once). A
   member whose program the target cannot hold is its DoesNotFit (the others are still predicted); ValueError where
-  none fits."""
+  none fits. With `layouts`, each member in the fastest of its decode layouts (`compare_layouts`)."""
   steps, rates, timer = {}, None, None
   for batch in batches:
     config = member_config(batch)
@@ -316,8 +361,9 @@ def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_le
     prompts = None if prompt_lengths_spec is None else lengths.prompt_lengths(
         prompt_lengths_spec, draws * batch, prompt_len).reshape(draws, batch)
     try:
-      steps[batch] = predict(config, topology, drawn, prompt_len=prompt_len, response_len=response_len,
-                             num_slices=num_slices, rates=rates, timer=timer, prompt_lengths_B=prompts)
+      steps[batch] = (compare_layouts if layouts else predict)(
+          config, topology, drawn, prompt_len=prompt_len, response_len=response_len, num_slices=num_slices,
+          rates=rates, timer=timer, prompt_lengths_B=prompts)
     except DoesNotFit as e:
       steps[batch] = e
       logging.warning("%s", e)
