@@ -444,3 +444,28 @@ def test_a_decode_layout_of_its_own_compiles_the_reshard_and_the_rollout_on_its_
   config.rollout_mesh.layout = "trainer"
   skipped = aot.check(config, "v5e:2x2", programs=("reshard",), prompt_len=32, response_len=32).program("reshard")
   assert skipped.status == "skipped" and "layout='trainer'" in skipped.verdict
+
+
+@pytest.mark.usefixtures("libtpu")
+@pytest.mark.slow
+def test_generation_on_chips_of_its_own_compiles_each_side_and_times_the_publish_for_v5e():
+  """rollout_mesh.devices = 2 of v5e:2x2: the learner's programs on the first 2 chips (data 2), the rollout's on the
+  last 2 (tensor 2) with the next published policy resident beside the one decoding; the publish sends each generator
+  chip its share of the policy, timed at the chip's interconnect rate one way."""
+  config = _tiny_with(**{"rl.max_staleness": 1, "mesh.data": 2, "rollout_mesh.devices": 2, "rollout_mesh.data": 1,
+                         "rollout_mesh.tensor": 2})
+  report = aot.check(config, "v5e:2x2", programs=("update", "reshard", "rollout", "publish"), prompt_len=32,
+                     response_len=32)
+  assert report.mesh["data"] == 2 and report.rollout_chips == 2 and report.rollout_mesh["tensor"] == 2
+  assert "(the rollout on 2 chips of its own: " in report.table()
+  update, reshard, rollout, publish = (report.program(n) for n in ("update", "reshard", "rollout", "publish"))
+  assert update.status == rollout.status == publish.status == "fits" and "publish" in reshard.verdict
+  devices = topologies.compile_only("v5e:2x2").devices
+  step = aot.AbstractStep.build(aot.abstract_experiment(config, devices, 32, 32), devices)
+  assert [d.id for d in step.exp.mesh.devices.flat] == [d.id for d in devices[:2]]
+  assert [d.id for d in step.engines.exp.mesh.devices.flat] == [d.id for d in devices[2:]]
+  sent = aot.per_chip_bytes(step.engines.sampler_params)
+  assert rollout.memory.resident_bytes == sent  # the next policy, published while this one decodes
+  assert update.memory.resident_bytes == 0  # no copy of the policy stays on the learner's chips
+  assert publish.cost.bytes_accessed == sent
+  assert publish.cost.optimal_seconds == pytest.approx(sent / (topologies.CHIPS["v5e"].interconnect_bytes_per_s / 2))

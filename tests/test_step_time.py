@@ -16,6 +16,7 @@ import pytest
 from configs import grpo_gsm8k_qwen
 from jaxrl_batch.predict import decode_layouts, engine_time, lengths, step_time
 from jaxrl_batch import aot
+from jaxrl_batch.runtime import topologies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT, RESPONSE = 32, 32
@@ -110,6 +111,31 @@ def test_the_plan_compares_every_decode_layout_of_the_chips_and_keeps_the_fastes
   trainer = next(t for t in got.layouts if t.layout == "trainer")
   assert trainer.reshard_s == 0.0 and got.layout == "own" and got.seconds < trainer.seconds
   assert got.to_json()["layouts"][0] == dataclasses.asdict(got.layouts[0])
+
+
+@pytest.mark.slow
+def test_a_generator_on_chips_of_its_own_runs_beside_the_learner_after_the_publish(compile_only_tpu):
+  """rollout_mesh.devices = 2 of v5e:2x2 (rl.max_staleness = 1): the learner's programs on 2 chips, the rollout on
+  the other 2 beside them; the step is the publish (the policy's bytes a generator chip receives, at the chip's
+  link rate one way) and the longer of the two. Its meshes compared: data 2 and tensor 2 of the generator's chips."""
+  topology = compile_only_tpu("v5e:2x2")
+  config = _config(16, engine="continuous", slots=4, chunk=4)
+  config.rl.max_staleness = 1
+  config.rollout_mesh.update(devices=2, data=2)
+  drawn = _lengths(16)
+  got = step_time.predict(config, "v5e:2x2", drawn, prompt_len=PROMPT, response_len=RESPONSE)
+  assert got.overlapped and got.rollout_mesh == dict(data=2, fsdp=1, expert=1, tensor=1)
+  generator = aot.AbstractStep.build(aot.abstract_experiment(config, topology.devices, PROMPT, RESPONSE),
+                                     topology.devices).generation
+  sent = aot.per_chip_bytes(generator.sampler_params)
+  assert got.publish_s == pytest.approx(sent / (topologies.CHIPS["v5e"].interconnect_bytes_per_s / 2))
+  assert got.seconds == pytest.approx(got.publish_s + max(got.rollout.seconds, got.learner_s)) and got.learner_s > 0
+  schedule = engine_time.continuous(drawn, slots=8, chunk=4, max_new_tokens=RESPONSE, prompt_len=PROMPT,
+                                    group_size=4, backend="pallas")  # 4 slots on each of 2 shards
+  assert got.schedules == (schedule,)
+  compared = step_time.compare_layouts(config, "v5e:2x2", drawn, prompt_len=PROMPT, response_len=RESPONSE)
+  assert sorted(t.rollout_mesh["tensor"] for t in compared.layouts) == [1, 2]
+  assert all(t.layout == "trainer" and not t.refused for t in compared.layouts)
 
 
 def test_lengths_must_be_one_a_rollout():

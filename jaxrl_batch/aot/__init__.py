@@ -4,8 +4,8 @@ and the decode step against its HBM roofline (`decode_roofline`, `launch.decode_
 from jaxrl_batch.aot.abstract_step import AbstractStep, abstract_experiment
 from jaxrl_batch.aot.check import check
 from jaxrl_batch.aot.engine_inputs import engine_inputs
-from jaxrl_batch.aot.programs import FUNCTIONS, PROGRAMS, Program, program
+from jaxrl_batch.aot.programs import FUNCTIONS, PROGRAMS, Copy, Program, program
 from jaxrl_batch.aot.report import GIB, Cost, Memory, ProgramReport, Report, cost_of, parse_oom, per_chip_bytes
 
-__all__ = ["AbstractStep", "Cost", "FUNCTIONS", "GIB", "Memory", "PROGRAMS", "Program", "ProgramReport", "Report",
-           "abstract_experiment", "check", "cost_of", "engine_inputs", "parse_oom", "per_chip_bytes", "program"]
+__all__ = ["AbstractStep", "Copy", "Cost", "FUNCTIONS", "GIB", "Memory", "PROGRAMS", "Program", "ProgramReport",
+           "Report", "abstract_experiment", "check", "cost_of", "engine_inputs", "parse_oom", "per_chip_bytes", "program"]

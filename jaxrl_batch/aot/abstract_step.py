@@ -24,6 +24,7 @@ def abstract_experiment(config: ml_collections.ConfigDict, devices, prompt_len: 
   """The run's `Experiment` on `devices` (its scorer None). With both lengths given, no tokenizer or task data is read
   (tokenizer and task None too); otherwise `Experiment.create` computes the lengths as the trainer does, and a given
   one replaces its value."""
+  devices = placement.split_devices(config, list(devices))[0]  # The learner's.
   mesh = sharding.make_mesh(**config.mesh, devices=devices)
   data_parallel = sharding.data_parallel_size(mesh)
   member = family.member(config, data_parallel)  # Raises for a batch the mesh cannot split, before any file is read.
@@ -52,27 +53,41 @@ class AbstractStep:
   state: dict
   ref_params: dict | None  # The reference policy held beside the policy (none with adapters: the policy without them).
   sampler_params: dict  # The policy as the engines read it (`model.compute_copy`).
-  # rollout_mesh.layout='own': the step on rollout_mesh's shape over the same chips, whose engines decode the
-  # rollout from the policy resharded into its layout (`train.decode_layout`); None: this step's engines decode it.
+  # The step whose engines decode the rollout on a mesh of its own (`rollout_mesh`'s shape): over the same chips
+  # (rollout_mesh.layout='own', from the policy resharded into its layout, `train.decode_layout`) or over chips of
+  # its own (rollout_mesh.devices, from the policy published to them, `train.async_collector`); None: this step's.
   generation: "AbstractStep | None" = None
-  # On a generation step: what the learner holds on its chips while the engines decode (its whole state, the master
-  # weights the reshard read included); None: the step's own state (`rollout_resident`).
+  # On a generation step: what else its chips hold while the engines decode (layout own: the learner's whole state;
+  # chips of its own: the next policy published beside the one decoding); None: the step's own state.
   held: int | None = None
   memo: dict = dataclasses.field(default_factory=dict)  # The engine's inputs, laid out once (`engine_inputs`).
 
   @classmethod
-  def build(cls, exp: Experiment) -> "AbstractStep":
+  def build(cls, exp: Experiment, devices=None) -> "AbstractStep":
+    """The step of `exp` (the learner's `Experiment`, `abstract_experiment`), and its generation step where the
+    rollout decodes on a mesh of its own; `devices`: all the run's devices (needed with rollout_mesh.devices, whose
+    last ones are the generator's)."""
     graphdef, params = exp.abstract_params(adapters=True)
     parts, state = step_builder.build(exp, graphdef, params)
     step = cls(exp, parts, state, parts.reference_policy(params), parts.sampler_policy(params))
+    config = exp.config
+    if config.rollout_mesh.devices and devices is None:
+      raise ValueError("rollout_mesh.devices: give AbstractStep.build the run's devices (the generator's are the "
+                       "last of them).")
+    generation_devices = placement.split_devices(config, list(exp.mesh.devices.flat if devices is None else
+                                                              devices))[1]
+    if generation_devices is None:
+      return step
+    config = placement.generation_config(config)
+    mesh = sharding.make_mesh(**config.mesh, devices=generation_devices)
+    member = family.member(config, sharding.data_parallel_size(mesh))
+    generation = Experiment.of_lengths(config, member, mesh, exp.prompt_len, exp.response_len, exp.tokenizer,
+                                       exp.task, None, exp.chat)
+    step.generation = cls.build(generation, generation_devices)
     if placement.own_layout(exp.config):
-      config = placement.generation_config(exp.config)
-      mesh = sharding.make_mesh(**config.mesh, devices=list(exp.mesh.devices.flat))  # The same chips.
-      member = family.member(config, sharding.data_parallel_size(mesh))
-      generation = Experiment.of_lengths(config, member, mesh, exp.prompt_len, exp.response_len, exp.tokenizer,
-                                         exp.task, None, exp.chat)
-      step.generation = cls.build(generation)
       step.generation.held = step.resident("params", "opt_state", "critic", "critic_opt_state", "ref")
+    else:
+      step.generation.held = per_chip_bytes(step.generation.sampler_params)
     return step
 
   @property
@@ -118,14 +133,11 @@ def carries_partial(config: ml_collections.ConfigDict) -> bool:
 
 
 def generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
-  """Why the step's generation is not compiled on these chips (a rollout mesh or a process of its own), or None."""
+  """Why the step's generation is not compiled (it runs in a process of its own), or None."""
   rollout = config.rollout_mesh
   if rollout.process_cores:
     return (f"rollout_mesh.process_cores={rollout.process_cores!r}: generation runs in a CPU process of its own "
             "(`train.generator_process`), the weights shipped to it as host arrays")
-  if rollout.devices:
-    return (f"rollout_mesh.devices={rollout.devices} (generation on chips of its own) is not compiled yet: the "
-            "check builds one mesh over every chip")
   return None
 
 
@@ -135,7 +147,8 @@ def async_copy(step: AbstractStep) -> int:
   while the learner holds its own; 0 otherwise. Steps queued and not started yet hold theirs too (up to
   rl.max_staleness): not counted."""
   config = step.exp.config
-  if step.exp.member.algo.max_staleness < 1 or generator_elsewhere(config) or carries_partial(config):
+  if (step.exp.member.algo.max_staleness < 1 or config.rollout_mesh.devices or generator_elsewhere(config)
+      or carries_partial(config)):
     return 0
   return per_chip_bytes(step.sampler_params)
 
@@ -146,6 +159,11 @@ def _learner_policy(step: AbstractStep) -> int:
   (the others are the copy's own arrays: with LoRA's bfloat16 base, all but the adapters); 0 when they read it."""
   if async_copy(step):
     return step.resident("params")
+  return cast_bytes(step)
+
+
+def cast_bytes(step: AbstractStep) -> int:
+  """Per-chip bytes of the policy's leaves `model.compute_copy` casts (new arrays; the others are the master's)."""
   dtype = step.exp.model_cfg.compute_dtype
   return per_chip_bytes([x for path, x in jax.tree_util.tree_leaves_with_path(step.state["params"])
                           if is_cast(path, x, dtype)])

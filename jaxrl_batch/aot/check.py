@@ -23,14 +23,16 @@ calls, with the static arguments it passes:
   eval_fill  the evaluation's prefill (`continuous.prefill_prompts` of the held-out prompts; continuous engine).
   eval       the evaluation's greedy pass (`train.evaluation.evaluate`): the static engine's `generate` of its
              rows (or blocks of `eval.slots` per chip), or the continuous engine's `decode_chunk` on `eval.slots`.
-  publish    the asynchronous run's weight publish (rl.max_staleness > 0, colocated): the policy copied in the
-             compute dtype (`model.compute_copy`), not one program, reported by its bytes per chip (no compile, no
-             cost).
+  publish    the asynchronous run's weight publish (rl.max_staleness > 0): the policy copied in the compute dtype
+             (`model.compute_copy`), not one program, reported by its bytes per chip (no compile); with
+             rollout_mesh.devices sent to the generator's chips, its cost the bytes each receives and their seconds
+             at the chip's interconnect rate (one direction).
+With rollout_mesh.devices = n the learner's programs compile on the first chips, the rollout's on the last n
+(`rollout_mesh`'s shape), each side's memory per chip its own.
 There is no copy of a program here: when the trainer's program changes, the check compiles the new one. A program
-the config's step does not run is reported as skipped, with the reason (also generation on chips of its own and the
-generator process: not compiled yet). The engine's inputs are laid out as the trainer's are: the prefix and the
-slots come from compiling `continuous.prefill_prompts` and `continuous.slots_starter` and reading their output
-shardings.
+the config's step does not run is reported as skipped, with the reason (also the generator process: not compiled).
+The engine's inputs are laid out as the trainer's are: the prefix and the slots come from compiling
+`continuous.prefill_prompts` and `continuous.slots_starter` and reading their output shardings.
 
 Per program and per chip: argument, output, alias and temporary bytes (`memory_analysis`), peak = arguments +
 outputs - aliases + temporaries, and resident = what the step holds in HBM meanwhile that is not an argument (the
@@ -54,7 +56,8 @@ import ml_collections
 
 from jaxrl_batch.aot.abstract_step import AbstractStep, abstract_experiment, carries_partial
 from jaxrl_batch.aot.programs import FUNCTIONS, PROGRAMS, Copy, program
-from jaxrl_batch.aot.report import GIB, Memory, ProgramReport, Report, cost_of, memory_of, parse_oom, per_chip_bytes
+from jaxrl_batch.aot.report import (GIB, Cost, Memory, ProgramReport, Report, cost_of, memory_of, parse_oom,
+                                    per_chip_bytes)
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.train import evaluation
 from jaxrl_batch.train.setup import Experiment
@@ -103,7 +106,9 @@ def _knobs(name: str, exp: Experiment) -> list[str]:
   return knobs + [mesh]
 
 
-def _compile_one(name: str, step: AbstractStep, hbm: int) -> ProgramReport:
+def _compile_one(name: str, step: AbstractStep, hbm: int, link_bytes_per_s: float) -> ProgramReport:
+  """Program `name` of the step compiled and judged against `hbm` bytes a chip; a copy to other chips timed at
+  `link_bytes_per_s` (the bytes a chip receives a second)."""
   built = program(name, step)
   report = ProgramReport(name, FUNCTIONS[name], "skipped")
   if isinstance(built, str):
@@ -112,6 +117,8 @@ def _compile_one(name: str, step: AbstractStep, hbm: int) -> ProgramReport:
   if isinstance(built, Copy):  # No program of ours: its bytes, judged as a program's memory.
     report.shape, report.message = built.shape, built.how
     report.memory = memory_of(built.stats(), built.resident, hbm)
+    if built.sent_bytes:  # To the generator's chips: its bytes and seconds over the interconnect.
+      report.cost = Cost(None, float(built.sent_bytes), built.sent_bytes / link_bytes_per_s)
     report = _judge(report, name, step.exp, hbm)
     report.verdict += " (not compiled: the bytes it copies)"
     return report
@@ -175,10 +182,10 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
     raise ValueError(f"Unknown programs {unknown}; choose among {list(PROGRAMS)}.")
   topo = topologies.compile_only(topology, num_slices)
   exp = abstract_experiment(config, topo.devices, prompt_len, response_len)
-  step = AbstractStep.build(exp)
+  step = AbstractStep.build(exp, topo.devices)
   results = []
   for name in programs:
-    results.append(_compile_one(name, step, topo.hbm_bytes))
+    results.append(_compile_one(name, step, topo.hbm_bytes, topo.chip.interconnect_bytes_per_s / 2))
     if log is not None:
       log(results[-1])
   chip = topo.chip
@@ -198,4 +205,4 @@ def check(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
              micro_batch_tokens=exp.config.micro_batch_tokens,
              engine=exp.engine.engine, slots=exp.engine.slots, state_bytes_per_chip=per_chip_bytes(step.state))
   mesh, rollout_mesh = ({k: int(v) for k, v in s.exp.mesh.shape.items()} for s in (step, step.engines))
-  return Report(topology_json, mesh, run, results, rollout_mesh)
+  return Report(topology_json, mesh, run, results, rollout_mesh, int(config.rollout_mesh.devices))

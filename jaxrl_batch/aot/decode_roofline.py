@@ -112,7 +112,7 @@ def engine_step(config: ml_collections.ConfigDict, devices, prompt_len: int, res
   the reason (a str) where the engine cannot be laid out. `config` is not changed."""
   config = ml_collections.ConfigDict(config.to_dict())
   config.sampling.engine, config.sampling.slots = "continuous", slots
-  step_ = AbstractStep.build(abstract_experiment(config, devices, prompt_len, response_len))
+  step_ = AbstractStep.build(abstract_experiment(config, devices, prompt_len, response_len), devices)
   return step_, engine_inputs(step_, False)
 
 

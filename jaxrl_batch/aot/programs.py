@@ -9,8 +9,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_batch.aot.abstract_step import (AbstractStep, async_copy, carries_partial, generator_elsewhere,
-                                           replicated_key, rollout_resident, stop_ids, struct)
+from jaxrl_batch.aot.abstract_step import (AbstractStep, async_copy, carries_partial, cast_bytes,
+                                           generator_elsewhere, replicated_key, rollout_resident, stop_ids, struct)
 from jaxrl_batch.aot.engine_inputs import (engine_call, engine_inputs, engine_prompts, engine_shape, eval_rows,
                                            kept_slots)
 from jaxrl_batch.aot.report import GIB, per_chip_bytes
@@ -35,7 +35,7 @@ FUNCTIONS = dict(update="jaxrl_batch.rl.update.update", score="jaxrl_batch.rl.fo
                  reprefill="jaxrl_batch.sampling.continuous.resume_slots",
                  eval_fill="jaxrl_batch.sampling.continuous.prefill_prompts",
                  eval="jaxrl_batch.sampling.generate.generate",
-                 publish="jaxrl_batch.train.async_collector.AsyncCollector._publish")
+                 publish="jaxrl_batch.train.async_collector.AsyncCollector.publish")
 
 
 def _program_update(step: AbstractStep):
@@ -98,6 +98,8 @@ def _program_reshard(step: AbstractStep):
   generation = step.generation
   if generation is None:
     return "rollout_mesh.layout='trainer': the engines read the policy in the trainer's layout"
+  if step.exp.config.rollout_mesh.devices:
+    return "rollout_mesh.devices: the policy is sent to the generator's chips (`publish`)"
   learner_mesh, mesh = (dict(s.exp.mesh.shape) for s in (step, generation))
   shape = (f"the policy's {step.exp.model_cfg.num_params() / 1e6:.1f}M parameters from the learner's mesh "
            f"{learner_mesh} to the engines' {mesh} in {step.exp.model_cfg.dtype}, once a step")
@@ -214,12 +216,14 @@ def _program_eval(step: AbstractStep):
 @dataclasses.dataclass(frozen=True)
 class Copy:
   """A copy the step makes without a program of ours (the weight publish): its bytes per chip (source, copy), what
-  stays resident meanwhile, and how it is made; judged like a compiled program's memory."""
+  stays resident meanwhile, and how it is made; judged like a compiled program's memory. `sent_bytes`: what each
+  chip of another mesh receives (a generator on chips of its own), 0 for a copy on the same chips."""
   source_bytes: int
   copy_bytes: int
   resident: int
   shape: str
   how: str
+  sent_bytes: int = 0
 
   def stats(self):
     """`memory_analysis`'s fields for it: the source is the argument, the copy the output."""
@@ -237,9 +241,19 @@ def _program_publish(step: AbstractStep):
   if elsewhere:
     return elsewhere
   params, copy = per_chip_bytes(step.state["params"]), per_chip_bytes(step.sampler_params)
-  shape = (f"the policy's {exp.model_cfg.num_params() / 1e6:.1f}M parameters ({params / GIB:.3f} GiB per chip) copied "
+  millions = exp.model_cfg.num_params() / 1e6
+  if step.generation is not None:  # rollout_mesh.devices: sent to the generator's chips.
+    sent, chips = per_chip_bytes(step.generation.sampler_params), step.generation.exp.mesh.size
+    shape = (f"the policy's {millions:.1f}M parameters ({params / GIB:.3f} GiB per learner chip) in "
+             f"{exp.model_cfg.dtype}, sent to the generator's {chips} chips in its layout ({sent / GIB:.3f} GiB each)")
+    how = ("`AsyncCollector.publish` casts the policy on the learner's chips (`model.compute_copy`) and puts it on the "
+           "generator's in their layout (`jax.device_put`, `async_collector.publish_layouts`): no program of ours; "
+           "its seconds: the bytes each generator chip receives at the chip's interconnect rate")
+    resident = step.resident("opt_state", "critic", "critic_opt_state", "ref")
+    return Copy(params, cast_bytes(step), resident, shape, how, sent)
+  shape = (f"the policy's {millions:.1f}M parameters ({params / GIB:.3f} GiB per chip) copied "
            f"on the learner's chips in {exp.model_cfg.dtype} ({copy / GIB:.3f} GiB per chip)")
-  how = ("`AsyncCollector._publish` copies each parameter in the compute dtype (`model.compute_copy`: `astype`, or "
+  how = ("`AsyncCollector.publish` copies each parameter in the compute dtype (`model.compute_copy`: `astype`, or "
          "`jnp.copy`): no program of ours, so no compile and no cost")
   # Meanwhile: the learner's state but the policy copied, and the generator's previous copy.
   resident = step.resident("opt_state", "critic", "critic_opt_state", "ref") + async_copy(step)

@@ -62,6 +62,7 @@ class Report:
   run: dict
   programs: list[ProgramReport]
   rollout_mesh: dict = None  # The mesh the rollout's programs compile on (rollout_mesh.layout='own'); None: `mesh`.
+  rollout_chips: int = 0  # rollout_mesh.devices: the generator's chips (the last ones), not the learner's.
   created: str = dataclasses.field(default_factory=lambda: datetime.datetime.now().isoformat(timespec="seconds"))
 
   def __post_init__(self):
@@ -73,7 +74,7 @@ class Report:
   def to_json(self) -> dict:
     """The aot_check.json contract (docs/scaling.md lists every field)."""
     return dict(schema_version=SCHEMA_VERSION, created=self.created, topology=self.topology, mesh=self.mesh,
-                rollout_mesh=self.rollout_mesh, run=self.run, programs=[dataclasses.asdict(p) for p in self.programs])
+                rollout_mesh=self.rollout_mesh, rollout_chips=self.rollout_chips, run=self.run, programs=[dataclasses.asdict(p) for p in self.programs])
 
   def table(self) -> str:
     """A fixed-width table of the programs, sizes in GiB per chip, then one verdict line each."""
@@ -82,7 +83,9 @@ class Report:
     fmt = "{:<10}" + "{:>10}" * (len(head) - 1)
     gib = lambda x: "-" if x is None else f"{x / GIB:.2f}"
     num = lambda x, scale, digits: "-" if x is None else f"{x / scale:.{digits}f}"
-    mesh = f"mesh {self.mesh}" + (f" (the rollout on {self.rollout_mesh})" if self.rollout_mesh != self.mesh else "")
+    mesh = f"mesh {self.mesh}" + (
+        f" (the rollout on {self.rollout_chips} chips of its own: {self.rollout_mesh})" if self.rollout_chips else
+        f" (the rollout on {self.rollout_mesh})" if self.rollout_mesh != self.mesh else "")
     if self.topology.get("platform", "tpu") == "tpu":
       title = (f"{self.topology['name']} x {self.topology['num_slices']} slice(s): {self.topology['num_chips']} "
                f"chips ({self.topology['device_kind']}), {mesh}; sizes in GiB per chip")

@@ -57,13 +57,25 @@ class StepTime:
   decode_by_length: dict[int, ProgramTime]
   rollout_spread: float = 1.0
   reshard_s: float = 0.0  # rollout_mesh.layout='own': the policy laid out for decoding, once a step.
+  # rollout_mesh.devices (generation on chips of its own, rl.max_staleness >= 1): the rollout runs beside the
+  # learner's programs (`overlapped`), and the policy is sent to the generator's chips once a step (`publish_s`).
+  publish_s: float = 0.0
+  overlapped: bool = False
   layout: str = "trainer"  # rollout_mesh.layout, and the mesh the rollout decodes on.
   rollout_mesh: dict | None = None
   layouts: tuple["LayoutTime", ...] = ()  # `compare_layouts`: the step in each decode layout, fastest first.
 
   @property
+  def learner_s(self) -> float:
+    return self.score_s + self.reference_s + self.update_s
+
+  @property
   def seconds(self) -> float:
-    return self.reshard_s + self.rollout.seconds + self.score_s + self.reference_s + self.update_s + self.reward_s
+    """The step: its parts one after another; generating on chips of its own, the longer of the rollout and the
+    learner's programs, after the publish."""
+    if self.overlapped:
+      return self.publish_s + max(self.rollout.seconds, self.learner_s) + self.reward_s
+    return self.reshard_s + self.rollout.seconds + self.learner_s + self.reward_s
 
   @property
   def samples_per_s(self) -> float:
@@ -84,7 +96,8 @@ class StepTime:
     """The step's parts (plan.json rows' `step`), and each program's peak bytes per chip (`peak_bytes`: the decode
     step's at its longest cache bucket; what the step holds besides, optimizer state or the reference policy, is
     `launch.aot_check`'s to add)."""
-    return dict(seconds=self.seconds, reshard_s=self.reshard_s, rollout_s=self.rollout.seconds, decode_s=self.rollout.decode_s,
+    return dict(seconds=self.seconds, reshard_s=self.reshard_s, publish_s=self.publish_s, overlapped=self.overlapped,
+                rollout_s=self.rollout.seconds, decode_s=self.rollout.decode_s,
                 prefill_s=self.rollout.prefill_s, score_s=self.score_s, reference_s=self.reference_s,
                 update_s=self.update_s, decode_steps=self.decode_steps, draws=len(self.schedules),
                 decode_step_s=self.programs["decode"].seconds, rollout_spread=self.rollout_spread,
@@ -227,9 +240,12 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
     programs["reshard"] = timer.time(reshard.lower(), reshard.mesh, "the reshard program", m.batch_size,
                                      _LEARNER_KNOBS)
   reshard_s = programs["reshard"].running(1, 1) if "reshard" in programs else 0.0
+  publish = aot.program("publish", step)
+  publish_s = publish.sent_bytes / rates.interconnect_bytes_per_s if isinstance(publish, aot.Copy) else 0.0
   mesh = {axis: int(size) for axis, size in step.engines.exp.mesh.shape.items()}
   return StepTime(m.batch_size, schedules, rollout, score_s, reference_s, update_s, reward_s, programs, by_length,
-                  rollout_spread, reshard_s, config.rollout_mesh.layout, mesh)
+                  rollout_spread, reshard_s=reshard_s, publish_s=publish_s,
+                  overlapped=bool(config.rollout_mesh.devices), layout=config.rollout_mesh.layout, rollout_mesh=mesh)
 
 
 def compare_layouts(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prompt_len: int,
@@ -261,10 +277,11 @@ def compare_layouts(config: ml_collections.ConfigDict, topology: str, lengths_B,
 
 
 def _engine_shards(config: ml_collections.ConfigDict, devices) -> int:
-  """Data-parallel shards of the mesh the rollout decodes on: the run's, or with rollout_mesh.layout='own'
-  rollout_mesh's over the same devices (`train.decode_layout`)."""
-  if placement.own_layout(config):
-    config = placement.generation_config(config)
+  """Data-parallel shards of the mesh the rollout decodes on: the run's, or rollout_mesh's over the same devices
+  (rollout_mesh.layout='own') or over the generator's own (rollout_mesh.devices)."""
+  generation = placement.split_devices(config, list(devices))[1]
+  if generation is not None:
+    config, devices = placement.generation_config(config), generation
   return sharding.data_parallel_size(sharding.make_mesh(**config.mesh, devices=devices))
 
 

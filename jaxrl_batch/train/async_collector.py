@@ -27,11 +27,18 @@ from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.generator_process import RemoteGenerator
+from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.train.step_row import RolloutStats
 
 # Rollouts fields saved with a checkpoint, and their dtypes (experts_BxTxLxK: int32 or absent).
 _FIELDS = {"prompt_BxP": np.int32, "prompt_valid_BxP": bool, "tokens_BxN": np.int32, "logprobs_BxN": np.float32,
            "mask_BxN": bool, "rewards_B": np.float32, "trained_B": bool, "experts_BxTxLxK": np.int32}
+
+
+def publish_layouts(generator_exp: Experiment):
+  """The shardings of the policy a generator on devices of its own decodes: its parameters' sharding rules applied
+  on its mesh (the learner's partition specs need not split over the generator's axes: 2 kv heads over tensor 4)."""
+  return jax.tree.map(lambda x: x.sharding, generator_exp.abstract_params(adapters=True)[1])
 
 
 class AsyncCollector:
@@ -49,6 +56,8 @@ class AsyncCollector:
     self.collector, self.k = collector, max_staleness
     self.exp, self.mesh = collector.exp, learner_mesh
     self.colocated = collector.exp.mesh == learner_mesh
+    # Disaggregated: the policy published in the generator's own layout (its sharding rules on its mesh).
+    self.layouts = None if self.colocated else publish_layouts(self.exp)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
     self._queue: dict[int, tuple[int, object]] = {}  # step -> (policy version, Future or restored host batch)
     self._last_end = None  # When the generator finished its previous batch (for update_wait_s).
@@ -65,17 +74,13 @@ class AsyncCollector:
     self._last_end = time.time()
     return rollouts, dataclasses.replace(stats, update_wait_s=idle)
 
-  def _publish(self, params):
+  def publish(self, params):
     """The policy for the generator, in the compute dtype (`model.compute_copy`): a copy on the learner's devices
-    (the update donates its state), or resharded onto the rollout devices (the same partition specs over the rollout
-    mesh)."""
+    (the update donates its state), or sent to the rollout devices in the generator's layout (`publish_layouts`)."""
     dtype = self.exp.model_cfg.compute_dtype
     if self.colocated:
       return compute_copy(params, dtype, copy=True)
-    policy = compute_copy(params, dtype)
-    rollout_mesh = self.exp.mesh
-    return jax.device_put(policy, jax.tree.map(
-        lambda x: jax.sharding.NamedSharding(rollout_mesh, x.sharding.spec), policy))
+    return jax.device_put(compute_copy(params, dtype), self.layouts)
 
   def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
     """Like `Collector.collect` for `step`, from the queue; first tops the queue up to step + k with `params`
@@ -84,7 +89,7 @@ class AsyncCollector:
     for t in range(step, step + self.k + 1):
       if t not in self._queue:
         if published is None:
-          published = self._publish(params)
+          published = self.publish(params)
         self._queue[t] = (step, self._pool.submit(self._generate, graphdef, published, t))
     version, item = self._queue.pop(step)
     t0 = time.time()

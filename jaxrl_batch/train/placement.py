@@ -25,10 +25,10 @@ LAYOUTS = ("trainer", "own")
 
 def generation_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """`config` with the mesh generation runs on: `rollout_mesh`'s data/fsdp/tensor/expert (on devices of its own, or
-  colocated with rollout_mesh.layout='own'), decoding in that mesh's own layout."""
+  colocated with rollout_mesh.layout='own'), decoding in that mesh's own layout on all the devices it is given."""
   rollout_config = copy.deepcopy(config)
   rollout_config.mesh.update({k: config.rollout_mesh[k] for k in ("data", "fsdp", "tensor", "expert")})
-  rollout_config.rollout_mesh.layout = "trainer"
+  rollout_config.rollout_mesh.update(layout="trainer", devices=0)  # Its own devices are all it has.
   return rollout_config
 
 
@@ -52,14 +52,15 @@ def own_layout(config: ml_collections.ConfigDict) -> bool:
   return True
 
 
-def _split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[list, Experiment | None]:
-  """(the learner's devices, the rollout's `Experiment` or None when generation uses the learner's). `config.
-  rollout_mesh.devices` = n > 0 gives the last n devices to generation, with the mesh shape of `rollout_mesh`'s
-  data/fsdp/tensor/expert; rollout_mesh.layout='own' that mesh shape over all of them, shared with the learner."""
+def split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[list, list | None]:
+  """(the learner's devices, the devices generation decodes on in a mesh of its own, or None when it decodes on the
+  learner's mesh). `config.rollout_mesh.devices` = n > 0 gives the last n devices to generation, with the mesh shape
+  of `rollout_mesh`'s data/fsdp/tensor/expert; rollout_mesh.layout='own' that mesh shape over all of them, shared
+  with the learner."""
   rollout = config.rollout_mesh
   n = rollout.devices
   if own_layout(config):
-    return devices, Experiment.create(generation_config(config), devices=devices)
+    return devices, devices
   if rollout.process_cores:
     if n or config.rl.max_staleness < 1 or jax.process_count() > 1:
       raise ValueError(f"rollout_mesh.process_cores={rollout.process_cores!r} generates in a process of its own, "
@@ -73,7 +74,13 @@ def _split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[li
                      "the learner: set rl.max_staleness >= 1, or rollout_mesh.devices=0 (colocated).")
   if not 0 < n < len(devices):
     raise ValueError(f"rollout_mesh.devices={n} of {len(devices)} devices: leave at least one to the learner.")
-  return devices[:-n], Experiment.create(generation_config(config), devices=devices[-n:])
+  return devices[:-n], devices[-n:]
+
+
+def _split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[list, Experiment | None]:
+  """(the learner's devices, the rollout's `Experiment` on its devices or None: `split_devices`)."""
+  learner, generation = split_devices(config, devices)
+  return learner, None if generation is None else Experiment.create(generation_config(config), devices=generation)
 
 
 def build(config: ml_collections.ConfigDict, devices=None) -> tuple[Experiment, object]:
