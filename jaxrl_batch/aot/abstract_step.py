@@ -84,8 +84,8 @@ class AbstractStep:
     generation = Experiment.of_lengths(config, member, mesh, exp.prompt_len, exp.response_len, exp.tokenizer,
                                        exp.task, None, exp.chat)
     step.generation = cls.build(generation, generation_devices)
-    if placement.own_layout(exp.config):
-      step.generation.held = step.resident("params", "opt_state", "critic", "critic_opt_state", "ref")
+    if placement.own_layout(exp.config):  # The learner's whole state, and the next publish (asynchronous).
+      step.generation.held = step.resident("params", "opt_state", "critic", "critic_opt_state", "ref") + async_copy(step)
     else:
       step.generation.held = per_chip_bytes(step.generation.sampler_params)
     return step
@@ -143,14 +143,14 @@ def generator_elsewhere(config: ml_collections.ConfigDict) -> str | None:
 
 def async_copy(step: AbstractStep) -> int:
   """Per-chip bytes of the policy's second copy in an asynchronous colocated run (rl.max_staleness > 0): the
-  generator decodes with the policy published after an update (`AsyncCollector._publish`, in the compute dtype)
+  generator decodes with the policy published after an update (`AsyncCollector.publish`, in the compute dtype)
   while the learner holds its own; 0 otherwise. Steps queued and not started yet hold theirs too (up to
   rl.max_staleness): not counted."""
   config = step.exp.config
   if (step.exp.member.algo.max_staleness < 1 or config.rollout_mesh.devices or generator_elsewhere(config)
       or carries_partial(config)):
     return 0
-  return per_chip_bytes(step.sampler_params)
+  return per_chip_bytes(step.engines.sampler_params)
 
 
 def _learner_policy(step: AbstractStep) -> int:

@@ -100,6 +100,8 @@ def _program_reshard(step: AbstractStep):
     return "rollout_mesh.layout='trainer': the engines read the policy in the trainer's layout"
   if step.exp.config.rollout_mesh.devices:
     return "rollout_mesh.devices: the policy is sent to the generator's chips (`publish`)"
+  if step.exp.member.algo.max_staleness:
+    return "rl.max_staleness > 0: the policy is published in the engines' layout (`publish`)"
   learner_mesh, mesh = (dict(s.exp.mesh.shape) for s in (step, generation))
   shape = (f"the policy's {step.exp.model_cfg.num_params() / 1e6:.1f}M parameters from the learner's mesh "
            f"{learner_mesh} to the engines' {mesh} in {step.exp.model_cfg.dtype}, once a step")
@@ -242,7 +244,7 @@ def _program_publish(step: AbstractStep):
     return elsewhere
   params, copy = per_chip_bytes(step.state["params"]), per_chip_bytes(step.sampler_params)
   millions = exp.model_cfg.num_params() / 1e6
-  if step.generation is not None:  # rollout_mesh.devices: sent to the generator's chips.
+  if config.rollout_mesh.devices:  # Sent to the generator's chips.
     sent, chips = per_chip_bytes(step.generation.sampler_params), step.generation.exp.mesh.size
     shape = (f"the policy's {millions:.1f}M parameters ({params / GIB:.3f} GiB per learner chip) in "
              f"{exp.model_cfg.dtype}, sent to the generator's {chips} chips in its layout ({sent / GIB:.3f} GiB each)")
@@ -251,6 +253,7 @@ def _program_publish(step: AbstractStep):
            "its seconds: the bytes each generator chip receives at the chip's interconnect rate")
     resident = step.resident("opt_state", "critic", "critic_opt_state", "ref")
     return Copy(params, cast_bytes(step), resident, shape, how, sent)
+  copy = per_chip_bytes(step.engines.sampler_params)  # In the engines' layout (rollout_mesh.layout='own').
   shape = (f"the policy's {millions:.1f}M parameters ({params / GIB:.3f} GiB per chip) copied "
            f"on the learner's chips in {exp.model_cfg.dtype} ({copy / GIB:.3f} GiB per chip)")
   how = ("`AsyncCollector.publish` copies each parameter in the compute dtype (`model.compute_copy`: `astype`, or "

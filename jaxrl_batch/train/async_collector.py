@@ -43,6 +43,7 @@ def publish_layouts(generator_exp: Experiment):
 
 class AsyncCollector:
   """`Collector.collect` with generation `max_staleness` steps ahead, on one host thread."""
+  carries_rollouts = True
 
   def __init__(self, collector: Collector | RemoteGenerator, max_staleness: int, learner_mesh: jax.sharding.Mesh):
     """`collector` generates on its experiment's mesh (a `RemoteGenerator`: in its process, its rollouts uploaded
@@ -76,11 +77,13 @@ class AsyncCollector:
 
   def publish(self, params):
     """The policy for the generator, in the compute dtype (`model.compute_copy`): a copy on the learner's devices
-    (the update donates its state), or sent to the rollout devices in the generator's layout (`publish_layouts`)."""
+    (the update donates its state), or put in the generator's layout (`publish_layouts`) on its devices or, with
+    rollout_mesh.layout='own', on the learner's."""
     dtype = self.exp.model_cfg.compute_dtype
     if self.colocated:
       return compute_copy(params, dtype, copy=True)
-    return jax.device_put(compute_copy(params, dtype), self.layouts)
+    # A copy even where a leaf's layout is the same (a layout of its own over the learner's devices).
+    return jax.device_put(compute_copy(params, dtype), self.layouts, may_alias=False)
 
   def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
     """Like `Collector.collect` for `step`, from the queue; first tops the queue up to step + k with `params`

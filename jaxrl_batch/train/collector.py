@@ -113,6 +113,7 @@ def check_rollout_memory(exp: Experiment, slots: int) -> int:
 
 class Collector:
   """Produces each step's `Rollouts` for the member's P prompts x G samples."""
+  carries_rollouts = False  # Rollouts in flight between steps are run state (`state_dict`) where True.
 
   def __init__(self, exp: Experiment):
     self.exp, self.member = exp, exp.member

@@ -18,6 +18,7 @@ from jaxrl_batch.model import compute_copy
 from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import sharding
 from jaxrl_batch.train.collector import Collector
+from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.train.step_row import RolloutStats
 
@@ -36,10 +37,10 @@ def resharder(rollout_exp: Experiment):
 
 
 class ResharedCollector:
-  """`Collector.collect` on the collector's own mesh (same devices as the learner's, another shape), from the policy
-  resharded into that mesh's layout."""
+  """`Collector.collect` (or `PartialCollector.collect`, with its run state) on the collector's own mesh (same devices
+  as the learner's, another shape), from the policy resharded into that mesh's layout."""
 
-  def __init__(self, collector: Collector, learner_mesh: jax.sharding.Mesh):
+  def __init__(self, collector: Collector | PartialCollector, learner_mesh: jax.sharding.Mesh):
     self.collector, self.exp, self.learner_mesh = collector, collector.exp, learner_mesh
     self.reshard = resharder(self.exp)
 
@@ -51,6 +52,16 @@ class ResharedCollector:
     rollouts, stats = self.collector.collect(graphdef, policy, step)
     layouts = jax.tree.map(lambda x: sharding.batch_sharding(self.learner_mesh, x.ndim), rollouts)
     return jax.device_put(rollouts, layouts), dataclasses.replace(stats, reshard_s=reshard_s)
+
+  @property
+  def carries_rollouts(self) -> bool:
+    return self.collector.carries_rollouts
+
+  def state_dict(self) -> dict:
+    return self.collector.state_dict()
+
+  def load_state_dict(self, state: dict) -> None:
+    self.collector.load_state_dict(state)
 
   def close(self) -> None:
     """Lets the rollout experiment's reward threads end (the learner's close with the trainer)."""

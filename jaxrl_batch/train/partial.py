@@ -67,6 +67,7 @@ def _seq(uid, prompt_row, problem, tokens, logps, versions, length, eos, reward=
 
 class PartialCollector(Collector):
   """`Collector` whose engine keeps sequences in flight across steps (see the module docstring)."""
+  carries_rollouts = True
 
   def __init__(self, exp):
     super().__init__(exp)

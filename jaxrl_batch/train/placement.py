@@ -1,11 +1,12 @@
 """Where a run's rollouts are generated and which collector produces them, chosen once from the config.
 
 - `Collector`: generation and update take turns on the learner's devices (the default), with the trainer's layout,
-  or (`rollout_mesh.layout='own'`, a `ResharedCollector`) on a mesh of their own over them.
-- `PartialCollector` (`rollout.partial`): the continuous engine's sequences carry over between steps.
+  or (`rollout_mesh.layout='own'`, wrapped in a `ResharedCollector`) on a mesh of their own over them.
+- `PartialCollector` (`rollout.partial`): the continuous engine's sequences carry over between steps (in either
+  layout).
 - `AsyncCollector` (`rl.max_staleness` = k >= 1): generation runs k steps ahead on a host thread, on the learner's
-  devices, on devices of its own (`rollout_mesh.devices`) or in a process of its own (`rollout_mesh.process_cores`,
-  a `RemoteGenerator`).
+  devices (in the trainer's layout or, rollout_mesh.layout='own', one of its own), on devices of its own
+  (`rollout_mesh.devices`) or in a process of its own (`rollout_mesh.process_cores`, a `RemoteGenerator`).
 """
 import copy
 
@@ -41,14 +42,10 @@ def own_layout(config: ml_collections.ConfigDict) -> bool:
                      "layout) or 'own' (decode on rollout_mesh's data/fsdp/tensor/expert over the learner's devices).")
   if rollout.layout == "trainer":
     return False
-  refused = [why for on, why in ((rollout.devices or rollout.process_cores, "generation elsewhere (rollout_mesh."
-                                  "devices, rollout_mesh.process_cores): it has its own mesh already"),
-                                 (config.rl.max_staleness, "rl.max_staleness > 0"),
-                                 (config.rollout.partial, "rollout.partial (carried sequences keep their KV cache in "
-                                  "the layout they were decoded in)")) if on]
-  if refused:
-    raise ValueError(f"rollout_mesh.layout='own' decodes the synchronous colocated rollout in a layout of its own; "
-                     f"it does not combine with {'; '.join(refused)} yet. Set rollout_mesh.layout='trainer'.")
+  if rollout.devices or rollout.process_cores:
+    raise ValueError("rollout_mesh.layout='own' decodes the colocated rollout in a layout of its own; generation "
+                     "elsewhere (rollout_mesh.devices, rollout_mesh.process_cores) has a mesh of its own already. Set "
+                     "rollout_mesh.layout='trainer'.")
   return True
 
 
@@ -93,10 +90,9 @@ def build(config: ml_collections.ConfigDict, devices=None) -> tuple[Experiment, 
   if partial and staleness:
     raise ValueError("rollout.partial with rl.max_staleness > 0: partial rollouts already let generation run "
                      "ahead (rollout.max_lookahead); use one of the two.")
-  if partial:
-    return exp, PartialCollector(exp)
-  if not staleness:
-    return exp, (ResharedCollector(Collector(rollout_exp), exp.mesh) if rollout_exp else Collector(exp))
+  if not staleness:  # In a layout of its own, from the policy resharded each step.
+    collector = (PartialCollector if partial else Collector)(rollout_exp or exp)
+    return exp, ResharedCollector(collector, exp.mesh) if rollout_exp else collector
   cores = config.rollout_mesh.process_cores
   generator = RemoteGenerator(config, exp, cores) if cores else Collector(rollout_exp or exp)
   return exp, AsyncCollector(generator, staleness, exp.mesh)

@@ -35,7 +35,6 @@ from jaxrl_batch.runtime.preemption import StopSignals, Stopped
 from jaxrl_batch.train import branch, evaluation, placement, rundir, samples_log, sft, step_builder, step_row, writers
 from jaxrl_batch.train.async_collector import AsyncCollector
 from jaxrl_batch.train.decode_layout import ResharedCollector
-from jaxrl_batch.train.partial import PartialCollector
 from jaxrl_batch.train.workdir_lock import WorkdirLock
 
 
@@ -90,7 +89,7 @@ class Trainer:
   @property
   def _carries_rollouts(self) -> bool:
     """Whether rollouts in flight are run state (partial rollouts, or generation ahead of the learner)."""
-    return isinstance(self.collector, PartialCollector | AsyncCollector)
+    return self.collector.carries_rollouts
 
   # -- run directory ---------------------------------------------------------------------------------------------
 
