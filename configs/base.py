@@ -81,7 +81,8 @@ def get_config(arg: ml_collections.ConfigDict, *, batch: int, group_size: int, b
   # `process_cores` (e.g. "0") instead generates in a child process pinned to those cores, the learner on the others
   # (`train.generator_process`: weights shipped after every update); "" = in this process. `layout`: colocated
   # generation decodes with the trainer's mesh and layout ("trainer"), or ("own") on this mesh shape over the
-  # learner's own devices, the policy resharded into its layout once per step (`train.decode_layout`).
+  # learner's own devices, the policy resharded into its layout once per step (`train.decode_layout`), or ("auto")
+  # the fastest of those predicted on the run's devices, chosen by launch.train and saved in config.json.
   c.rollout_mesh = ml_collections.ConfigDict(dict(devices=0, data=-1, fsdp=1, tensor=1, expert=1, process_cores="",
                                                   layout="trainer"))
 

@@ -14,6 +14,9 @@ must then be on a filesystem every host sees. Two processes on one machine (CPU,
       --workdir=/tmp/mp --config.sft.cache_dir=/tmp/mp_base --distributed --coordinator=localhost:12355 \
       --num_processes=2 --process_id=0    # and the same with --process_id=1
 
+With `--config.rollout_mesh.layout=auto` the run decodes in the fastest decode layout predicted on its devices
+(`predict.step_time.run_layout`; the choice is logged and saved in config.json, which a rerun keeps).
+
 A run's config is fixed. To go on from one of its checkpoints with something changed (after a divergence: a lower
 learning rate, a tighter clip), branch it into a new directory; the source is only read:
 
@@ -23,6 +26,7 @@ learning rate, a tighter clip), branch it into a new directory; the source is on
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrl_batch.predict import step_time
 from jaxrl_batch.train.branch import Origin
 from jaxrl_batch.train.trainer import Trainer
 from launch import runtime
@@ -41,7 +45,9 @@ def main(argv):
   origin = None
   if FLAGS.branch_from:
     origin = Origin(FLAGS.branch_from, None if FLAGS.branch_step < 0 else FLAGS.branch_step)
-  runtime.run_to_exit(lambda: Trainer(FLAGS.config, FLAGS.workdir, branch_from=origin).run())
+  # rollout_mesh.layout='auto' chosen before the run is built (as config.json saved it, on a resume).
+  runtime.run_to_exit(lambda: Trainer(step_time.run_layout(FLAGS.config, FLAGS.workdir), FLAGS.workdir,
+                                      branch_from=origin).run())
 
 
 if __name__ == "__main__":

@@ -138,6 +138,31 @@ def test_a_generator_on_chips_of_its_own_runs_beside_the_learner_after_the_publi
   assert all(t.layout == "trainer" and not t.refused for t in compared.layouts)
 
 
+@pytest.mark.slow
+def test_an_auto_layout_is_the_fastest_predicted_and_a_resumed_run_keeps_its_own(tmp_path, compile_only_tpu):
+  """rollout_mesh.layout='auto': `step_time.choose_layout` gives the config in the fastest layout `compare_layouts`
+  predicts with every response at the budget; `launch.train` resolves it so (`step_time.run_layout`), or, for a run
+  that has a config.json, as the run chose it."""
+  compile_only_tpu("v5e:2x2")
+  config = _config(16, engine="continuous", slots=2, chunk=4)
+  config.mesh.update(data=1, fsdp=4)
+  config.rollout_mesh.layout = "auto"
+  chosen, layouts = step_time.choose_layout(config, "v5e:2x2", prompt_len=PROMPT, response_len=RESPONSE)
+  full = step_time.compare_layouts(decode_layouts.with_layout(config, "trainer"), "v5e:2x2",
+                                   np.full(16, RESPONSE), prompt_len=PROMPT, response_len=RESPONSE)
+  assert layouts == full.layouts and (chosen.rollout_mesh.layout, chosen.mesh.fsdp) == ("own", 4)
+  assert {k: chosen.rollout_mesh[k] for k in layouts[0].rollout_mesh} == layouts[0].rollout_mesh
+  assert step_time.choose_layout(chosen, "v5e:2x2", prompt_len=PROMPT, response_len=RESPONSE) == (chosen, ())
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  saved = ml_collections.ConfigDict(config.to_dict())
+  saved.rollout_mesh.update(layout="own", data=2, tensor=2)
+  (workdir / "config.json").write_text(json.dumps(dict(config=saved.to_dict(), derived={})))
+  assert step_time.run_layout(config, str(workdir)).rollout_mesh.to_dict() == saved.rollout_mesh.to_dict()
+  with pytest.raises(ValueError, match="launch.train"):
+    step_time.predict(config, "v5e:2x2", _lengths(16), prompt_len=PROMPT, response_len=RESPONSE)
+
+
 def test_lengths_must_be_one_a_rollout():
   with pytest.raises(ValueError, match="one a rollout"):
     step_time.predict(_config(16), "v5e:2x2", _lengths(8), prompt_len=PROMPT, response_len=RESPONSE)

@@ -11,6 +11,7 @@ import ml_collections
 from jaxrl_batch.model import ModelConfig
 
 AXES = ("data", "fsdp", "tensor", "expert")
+AUTO = "auto"  # rollout_mesh.layout: the fastest candidate, chosen before a run (`step_time.choose_layout`).
 
 
 def _divisors(n: int) -> list[int]:
@@ -22,7 +23,7 @@ def with_layout(config: ml_collections.ConfigDict, layout: str, **mesh) -> ml_co
   fsdp 1)."""
   out = ml_collections.ConfigDict(config.to_dict())
   out.rollout_mesh.layout = layout
-  if layout == "own":
+  if layout == "own":  # The mesh as `describe` gives it (fsdp included) or as the candidates name it.
     out.rollout_mesh.update({**dict(data=1, fsdp=1, tensor=1, expert=1), **mesh})
   return out
 

@@ -29,11 +29,12 @@ from jaxrl_batch.predict.program_time import ProgramTime, Rates, program_time
 from jaxrl_batch.rl import packing as packing_lib
 from jaxrl_batch.runtime import sharding, topologies
 from jaxrl_batch.sampling.roofline import measure_machine
-from jaxrl_batch.train import placement
+from jaxrl_batch.train import placement, rundir
 from jaxrl_batch import aot
 from jaxrl_batch.aot import decode_roofline
 
 CPU = "cpu"  # The topology name of this machine's CPU devices.
+LOCAL = "local"  # The devices this process has: its CPU's (as CPU), or accelerators at their chip's published rates.
 # Draws of a member's B lengths at least: a step waits for its longest response, the tail of B / G problems' lengths,
 # whose mean over a few draws (8 at B = 128 from 1,024 rollouts) is off by 5-10% in either direction.
 MIN_DRAWS = 32
@@ -172,7 +173,16 @@ def _lowered(name: str, step: aot.AbstractStep):
 def target(topology: str, config: ml_collections.ConfigDict, num_slices: int = 1) -> tuple[tuple, Rates]:
   """(devices, rates) of `topology`: `num_slices` slices of a TPU topology ('v5p:4x4x2') as compile-only devices at
   the chip's published rates, or CPU: this machine's CPU devices at the rates measured now in the compute dtype of
-  `config`'s model."""
+  `config`'s model, or LOCAL: this process's devices (CPU as CPU; TPUs and GPUs at their chip's rates)."""
+  if topology == LOCAL:
+    local = jax.devices()
+    if local[0].platform == "cpu":
+      return target(CPU, config)
+    kinds = {chip.device_kind: chip for chip in (*topologies.CHIPS.values(), *topologies.GPUS.values())}
+    if local[0].device_kind not in kinds:
+      raise ValueError(f"No published rates for {local[0].device_kind!r} devices (runtime.topologies CHIPS, GPUS): "
+                       "name a topology instead, or set rollout_mesh.layout.")
+    return tuple(local), Rates.from_chip(kinds[local[0].device_kind])
   if topology == CPU:
     machine = measure_machine(ModelConfig.from_config(config.model).compute_dtype, 512, 2048)
     rates = Rates.measured(dict(machine, launch_s=kernel_rates.launch_seconds(),
@@ -222,7 +232,7 @@ def predict(config: ml_collections.ConfigDict, topology: str, lengths_B, *, prom
   if rates is None:
     devices, rates = target(topology, config, num_slices)
   else:
-    devices = tuple(jax.devices("cpu")) if topology == CPU else topologies.compile_only(topology, num_slices).devices
+    devices = _devices(topology, num_slices)
   timer = timer if timer is not None and timer.rates == rates else _Timer(rates)
   exp = aot.abstract_experiment(config, devices, prompt_len, response_len)
   m = exp.member
@@ -258,7 +268,7 @@ def compare_layouts(config: ml_collections.ConfigDict, topology: str, lengths_B,
   if rates is None:
     devices, rates = target(topology, config, num_slices)
   else:
-    devices = tuple(jax.devices("cpu")) if topology == CPU else topologies.compile_only(topology, num_slices).devices
+    devices = _devices(topology, num_slices)
   timer = timer if timer is not None and timer.rates == rates else _Timer(rates)
   steps, times = [], []
   for candidate in decode_layouts.candidates(config, len(devices)):
@@ -274,6 +284,56 @@ def compare_layouts(config: ml_collections.ConfigDict, topology: str, lengths_B,
     raise DoesNotFit(f"Batch {config.batch_size}: no decode layout fits: " + "; ".join(t.refused for t in times))
   times.sort(key=lambda t: (bool(t.refused), t.seconds))
   return dataclasses.replace(min(steps, key=lambda s: s.seconds), layouts=tuple(times))
+
+
+def _devices(topology: str, num_slices: int) -> tuple:
+  """The devices of `topology` (`target`'s, without measuring rates)."""
+  if topology == CPU:
+    return tuple(jax.devices("cpu"))
+  if topology == LOCAL:
+    return tuple(jax.devices())
+  return topologies.compile_only(topology, num_slices).devices
+
+
+def choose_layout(config: ml_collections.ConfigDict, topology: str, *, prompt_len: int, response_len: int,
+                  num_slices: int = 1) -> tuple[ml_collections.ConfigDict, tuple["LayoutTime", ...]]:
+  """rollout_mesh.layout='auto' resolved: (`config` decoding in the fastest of its decode layouts on `topology`
+  (`compare_layouts`, every response at the budget: a run's lengths are not known before it runs), each layout's
+  predicted step, fastest first). Any other layout: (`config`, ()). Lengths of 0: the trainer's."""
+  if config.rollout_mesh.layout != decode_layouts.AUTO:
+    return config, ()
+  if not (prompt_len and response_len):  # The trainer's (they read the tokenizer and the task's data).
+    exp = aot.abstract_experiment(decode_layouts.with_layout(config, "trainer"), _devices(topology, num_slices),
+                                  prompt_len, response_len)
+    prompt_len, response_len = exp.prompt_len, exp.response_len
+  step = compare_layouts(decode_layouts.with_layout(config, "trainer"), topology,
+                         np.full(config.batch_size, response_len), prompt_len=prompt_len, response_len=response_len,
+                         num_slices=num_slices)
+  chosen = decode_layouts.with_layout(config, step.layout, **step.rollout_mesh)
+  return chosen, step.layouts
+
+
+def run_layout(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
+  """A run's `config` with rollout_mesh.layout='auto' chosen: as the run's config.json saved it when it resumes, else
+  the fastest decode layout predicted on this process's devices (`choose_layout`), each one's step logged."""
+  if config.rollout_mesh.layout != decode_layouts.AUTO:
+    return config
+  saved = rundir.read_config(workdir)
+  if saved is not None:
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.rollout_mesh.update(saved["config"]["rollout_mesh"])
+    return config
+  if jax.process_count() > 1 and jax.devices()[0].platform == "cpu":
+    raise ValueError("rollout_mesh.layout='auto' on CPU processes: each measures its own rates and could choose "
+                     "another layout; name the layout.")
+  config, layouts = choose_layout(config, LOCAL, prompt_len=0, response_len=0)
+  for t in layouts:
+    logging.info("Decode layout %s on %s: %s", t.layout, t.rollout_mesh,
+                 f"refused: {t.refused}" if t.refused else f"a step of {t.seconds:.4f} s predicted (rollout "
+                 f"{t.rollout_s:.4f} s, reshard {t.reshard_s:.4f} s)")
+  logging.info("rollout_mesh.layout='auto': decoding in the %s layout on %s.", config.rollout_mesh.layout,
+               layouts[0].rollout_mesh)
+  return config
 
 
 def _engine_shards(config: ml_collections.ConfigDict, devices) -> int:
@@ -378,7 +438,8 @@ def sweep(member_config, batches, topology: str, lengths_spec: str, *, prompt_le
     prompts = None if prompt_lengths_spec is None else lengths.prompt_lengths(
         prompt_lengths_spec, draws * batch, prompt_len).reshape(draws, batch)
     try:
-      steps[batch] = (compare_layouts if layouts else predict)(
+      compare = layouts or config.rollout_mesh.layout == decode_layouts.AUTO
+      steps[batch] = (compare_layouts if compare else predict)(
           config, topology, drawn, prompt_len=prompt_len, response_len=response_len, num_slices=num_slices,
           rates=rates, timer=timer, prompt_lengths_B=prompts)
     except DoesNotFit as e:

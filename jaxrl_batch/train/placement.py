@@ -37,9 +37,14 @@ def own_layout(config: ml_collections.ConfigDict) -> bool:
   """Whether colocated generation decodes in a layout of its own (rollout_mesh.layout='own'); checks the setting
   and what it combines with."""
   rollout = config.rollout_mesh
+  if rollout.layout == "auto":
+    raise ValueError("rollout_mesh.layout='auto' is chosen before a run or check is built: `launch.train` and "
+                     "`launch.plan_batch` choose it (`predict.step_time.choose_layout`); elsewhere name 'trainer' or "
+                     "'own' and rollout_mesh's sizes.")
   if rollout.layout not in LAYOUTS:
     raise ValueError(f"rollout_mesh.layout={rollout.layout!r}: choose 'trainer' (decode with the trainer's mesh and "
-                     "layout) or 'own' (decode on rollout_mesh's data/fsdp/tensor/expert over the learner's devices).")
+                     "layout), 'own' (decode on rollout_mesh's data/fsdp/tensor/expert over the learner's devices) or "
+                     "'auto' (the fastest, chosen by launch.train).")
   if rollout.layout == "trainer":
     return False
   if rollout.devices or rollout.process_cores:
