@@ -148,9 +148,9 @@ def test_an_auto_layout_is_the_fastest_predicted_and_a_resumed_run_keeps_its_own
   config.mesh.update(data=1, fsdp=4)
   config.rollout_mesh.layout = "auto"
   chosen, layouts = step_time.choose_layout(config, "v5e:2x2", prompt_len=PROMPT, response_len=RESPONSE)
-  full = step_time.compare_layouts(decode_layouts.with_layout(config, "trainer"), "v5e:2x2",
-                                   np.full(16, RESPONSE), prompt_len=PROMPT, response_len=RESPONSE)
-  assert layouts == full.layouts and (chosen.rollout_mesh.layout, chosen.mesh.fsdp) == ("own", 4)
+  seconds = [t.seconds for t in layouts]
+  assert len(layouts) == 4 and seconds == sorted(seconds) and not any(t.refused for t in layouts)
+  assert (chosen.rollout_mesh.layout, chosen.mesh.fsdp) == ("own", 4)
   assert {k: chosen.rollout_mesh[k] for k in layouts[0].rollout_mesh} == layouts[0].rollout_mesh
   assert step_time.choose_layout(chosen, "v5e:2x2", prompt_len=PROMPT, response_len=RESPONSE) == (chosen, ())
   workdir = tmp_path / "run"
