@@ -8,4 +8,5 @@ from jaxrl_batch.aot.programs import FUNCTIONS, PROGRAMS, Copy, Program, program
 from jaxrl_batch.aot.report import GIB, Cost, Memory, ProgramReport, Report, cost_of, parse_oom, per_chip_bytes
 
 __all__ = ["AbstractStep", "Copy", "Cost", "FUNCTIONS", "GIB", "Memory", "PROGRAMS", "Program", "ProgramReport",
-           "Report", "abstract_experiment", "check", "cost_of", "engine_inputs", "parse_oom", "per_chip_bytes", "program"]
+           "Report", "abstract_experiment", "check", "cost_of", "engine_inputs", "parse_oom", "per_chip_bytes",
+           "program"]

@@ -85,7 +85,8 @@ class AbstractStep:
                                        exp.task, None, exp.chat)
     step.generation = cls.build(generation, generation_devices)
     if placement.own_layout(exp.config):  # The learner's whole state, and the next publish (asynchronous).
-      step.generation.held = step.resident("params", "opt_state", "critic", "critic_opt_state", "ref") + async_copy(step)
+      learner = step.resident("params", "opt_state", "critic", "critic_opt_state", "ref")
+      step.generation.held = learner + async_copy(step)
     else:
       step.generation.held = per_chip_bytes(step.generation.sampler_params)
     return step

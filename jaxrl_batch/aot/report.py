@@ -74,7 +74,8 @@ class Report:
   def to_json(self) -> dict:
     """The aot_check.json contract (docs/scaling.md lists every field)."""
     return dict(schema_version=SCHEMA_VERSION, created=self.created, topology=self.topology, mesh=self.mesh,
-                rollout_mesh=self.rollout_mesh, rollout_chips=self.rollout_chips, run=self.run, programs=[dataclasses.asdict(p) for p in self.programs])
+                rollout_mesh=self.rollout_mesh, rollout_chips=self.rollout_chips, run=self.run,
+                programs=[dataclasses.asdict(p) for p in self.programs])
 
   def table(self) -> str:
     """A fixed-width table of the programs, sizes in GiB per chip, then one verdict line each."""
