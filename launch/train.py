@@ -26,7 +26,6 @@ learning rate, a tighter clip), branch it into a new directory; the source is on
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl_batch.predict import step_time
 from jaxrl_batch.train.branch import Origin
 from jaxrl_batch.train.trainer import Trainer
 from launch import runtime
@@ -45,9 +44,16 @@ def main(argv):
   origin = None
   if FLAGS.branch_from:
     origin = Origin(FLAGS.branch_from, None if FLAGS.branch_step < 0 else FLAGS.branch_step)
-  # rollout_mesh.layout='auto' chosen before the run is built (as config.json saved it, on a resume).
-  runtime.run_to_exit(lambda: Trainer(step_time.run_layout(FLAGS.config, FLAGS.workdir), FLAGS.workdir,
-                                      branch_from=origin).run())
+  runtime.run_to_exit(lambda: Trainer(_config(), FLAGS.workdir, branch_from=origin).run())
+
+
+def _config():
+  """--config, with rollout_mesh.layout='auto' chosen before the run is built (as config.json saved it, on a
+  resume). The prediction's modules are imported only then: a run that names its layout does without them."""
+  if FLAGS.config.rollout_mesh.layout != "auto":
+    return FLAGS.config
+  from jaxrl_batch.predict import step_time  # pylint: disable=import-outside-toplevel
+  return step_time.run_layout(FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
