@@ -224,6 +224,21 @@ def test_the_update_compiles_for_h100s_and_fits(monkeypatch):
 
 @pytest.mark.usefixtures("cuda_plugin")
 @pytest.mark.slow
+def test_the_decode_chunk_on_h100s_with_tensor_parallelism_gathers_no_cache():
+  """tiny_random (4 query heads over 2 kv heads of 16) decoding with tensor = 2 on 2 H100s: the Triton attention runs
+  per shard (`decode_attention_triton`), so the compiled decode chunk gathers nothing of the cache or the queries
+  (XLA, left to partition the Pallas call, all-gathered q, k and v in every layer at every step)."""
+  config = _tiny_with(**{"mesh.data": 1, "mesh.tensor": 2, "sampling.engine": "continuous", "sampling.slots": 2})
+  devices = topologies.compile_only_gpu("h100", 2).devices
+  step = aot.AbstractStep.build(aot.abstract_experiment(config, devices, 32, 32), devices)
+  text = aot.program("decode", step).lower().compile().as_text()
+  gathered = [line for line in text.splitlines() if re.search(r" all-gather(-start)?\(", line)]
+  assert not [line for line in gathered if "decode_attention" in line], gathered
+  assert "__triton" in text or "triton" in text
+
+
+@pytest.mark.usefixtures("cuda_plugin")
+@pytest.mark.slow
 def test_a_plan_too_big_for_an_h100_compiles_and_is_reported():
   """The GPU compiler does not refuse a plan larger than the device (the TPU compiler's out-of-memory error): the
   program compiles and its memory_analysis gives the verdict."""

@@ -4,6 +4,7 @@ reference against `attend`.
 The kernel runs in interpret mode unless JAXRL_PALLAS_INTERPRET=0 (on a GPU: `launch/gpu_checks.sh`); then the
 kernel cases whose H or block are not powers of two >= 16 (Triton's constraint) are skipped.
 """
+import functools
 import os
 
 import jax
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxrl_batch.kernels import (BACKENDS, decode_attention, decode_attention_pallas, decode_attention_reference,
-                                 decode_attention_xla, default_backend)
+                                 decode_attention_triton, decode_attention_xla, default_backend)
+from jaxrl_batch.runtime import sharding
 from jaxrl_batch.model import KVCache, cache_mask
 from jaxrl_batch.model.layers import attend
 from tests.close import assert_close
@@ -134,6 +136,18 @@ def test_kernel_lowers_to_triton_for_gpu():
   assert "triton" in hlo and "stablehlo.transpose" not in hlo
   assert not any("slice" in line and ("3x2x300x64" in line or "3x2x64x300" in line) for line in hlo.splitlines())
   assert hlo.count("__gpu$xla.gpu.triton") == 1 and hlo.count("call @decode_attention_pallas") == 4
+
+
+@pytest.mark.parametrize("n,kv", [pytest.param(8, 4, id="kv-heads-split"), pytest.param(12, 2, id="one-kv-head-a-shard")])
+def test_on_a_mesh_the_gpu_form_runs_per_shard(n, kv):
+  """Under a mesh the Triton form runs in a `shard_map` (run here by the interpreter on 8 CPU devices): rows over
+  data = 2, kv heads over tensor = 4 where they split, else each shard's query heads with their one kv head."""
+  mesh = sharding.make_mesh(data=2, fsdp=1, tensor=4, devices=jax.devices()[:8])
+  q, k, v = _inputs(4, n, kv, 16, 40, seed=3)
+  lengths, starts = jnp.array([40, 1, 0, 23], jnp.int32), jnp.array([0, 0, 0, 5], jnp.int32)
+  with jax.set_mesh(mesh):
+    got = jax.jit(functools.partial(decode_attention_triton, interpret=True))(q, k, v, lengths, starts)
+  assert_close(got, decode_attention_reference(q, k, v, lengths, starts), 1e-5)
 
 
 def test_reference_matches_attend_with_a_span_mask():

@@ -5,6 +5,7 @@ from jaxrl_batch.kernels.decode_attention import (
   decode_attention,
   decode_attention_pallas,
   decode_attention_reference,
+  decode_attention_triton,
   decode_attention_xla,
   default_backend,
 )
@@ -17,6 +18,7 @@ from jaxrl_batch.kernels.paged_attention import (
 from jaxrl_batch.kernels.tpu_decode_attention import decode_attention_mosaic, paged_decode_attention_mosaic
 
 __all__ = ["BACKENDS", "decode_attention", "decode_attention_mosaic", "decode_attention_pallas",
-           "decode_attention_reference", "decode_attention_xla", "default_backend", "paged_decode_attention",
+           "decode_attention_reference", "decode_attention_triton", "decode_attention_xla", "default_backend",
+           "paged_decode_attention",
            "paged_decode_attention_mosaic", "paged_decode_attention_pallas", "paged_decode_attention_reference",
            "paged_decode_attention_xla"]
