@@ -242,14 +242,14 @@ def _program_publish(step: AbstractStep):
   elsewhere = generator_elsewhere(config)
   if elsewhere:
     return elsewhere
-  params, copy = per_chip_bytes(step.state["params"]), per_chip_bytes(step.sampler_params)
+  params = per_chip_bytes(step.state["params"])
   millions = exp.model_cfg.num_params() / 1e6
   if config.rollout_mesh.devices:  # Sent to the generator's chips.
     sent, chips = per_chip_bytes(step.generation.sampler_params), step.generation.exp.mesh.size
     shape = (f"the policy's {millions:.1f}M parameters ({params / GIB:.3f} GiB per learner chip) in "
              f"{exp.model_cfg.dtype}, sent to the generator's {chips} chips in its layout ({sent / GIB:.3f} GiB each)")
     how = ("`AsyncCollector.publish` casts the policy on the learner's chips (`model.compute_copy`) and puts it on the "
-           "generator's in their layout (`jax.device_put`, `async_collector.publish_layouts`): no program of ours; "
+           "generator's in their layout (`jax.device_put`, `Experiment.policy_shardings`): no program of ours; "
            "its seconds: the bytes each generator chip receives at the chip's interconnect rate")
     resident = step.resident("opt_state", "critic", "critic_opt_state", "ref")
     return Copy(params, cast_bytes(step), resident, shape, how, sent)

@@ -27,18 +27,11 @@ from jaxrl_batch.rl.rollouts import Rollouts
 from jaxrl_batch.runtime import sharding, transfer
 from jaxrl_batch.train.collector import Collector
 from jaxrl_batch.train.generator_process import RemoteGenerator
-from jaxrl_batch.train.setup import Experiment
 from jaxrl_batch.train.step_row import RolloutStats
 
 # Rollouts fields saved with a checkpoint, and their dtypes (experts_BxTxLxK: int32 or absent).
 _FIELDS = {"prompt_BxP": np.int32, "prompt_valid_BxP": bool, "tokens_BxN": np.int32, "logprobs_BxN": np.float32,
            "mask_BxN": bool, "rewards_B": np.float32, "trained_B": bool, "experts_BxTxLxK": np.int32}
-
-
-def publish_layouts(generator_exp: Experiment):
-  """The shardings of the policy a generator on devices of its own decodes: its parameters' sharding rules applied
-  on its mesh (the learner's partition specs need not split over the generator's axes: 2 kv heads over tensor 4)."""
-  return jax.tree.map(lambda x: x.sharding, generator_exp.abstract_params(adapters=True)[1])
 
 
 class AsyncCollector:
@@ -57,8 +50,10 @@ class AsyncCollector:
     self.collector, self.k = collector, max_staleness
     self.exp, self.mesh = collector.exp, learner_mesh
     self.colocated = collector.exp.mesh == learner_mesh
-    # Disaggregated: the policy published in the generator's own layout (its sharding rules on its mesh).
-    self.layouts = None if self.colocated else publish_layouts(self.exp)
+    # Generating on a mesh of its own: the policy published in that mesh's layout. Over the learner's devices
+    # (rollout_mesh.layout='own') a leaf already in that layout must still be a new array: the update donates its own.
+    self.layouts = None if self.colocated else self.exp.policy_shardings()
+    self.same_devices = set(collector.exp.mesh.devices.flat) == set(learner_mesh.devices.flat)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
     self._queue: dict[int, tuple[int, object]] = {}  # step -> (policy version, Future or restored host batch)
     self._last_end = None  # When the generator finished its previous batch (for update_wait_s).
@@ -77,13 +72,12 @@ class AsyncCollector:
 
   def publish(self, params):
     """The policy for the generator, in the compute dtype (`model.compute_copy`): a copy on the learner's devices
-    (the update donates its state), or put in the generator's layout (`publish_layouts`) on its devices or, with
-    rollout_mesh.layout='own', on the learner's."""
+    (the update donates its state), or put in the generator's layout (`Experiment.policy_shardings`) on its devices
+    or, with rollout_mesh.layout='own', on the learner's."""
     dtype = self.exp.model_cfg.compute_dtype
     if self.colocated:
       return compute_copy(params, dtype, copy=True)
-    # A copy even where a leaf's layout is the same (a layout of its own over the learner's devices).
-    return jax.device_put(compute_copy(params, dtype), self.layouts, may_alias=False)
+    return jax.device_put(compute_copy(params, dtype, copy=self.same_devices), self.layouts)
 
   def collect(self, graphdef, params, step: int) -> tuple[Rollouts, RolloutStats]:
     """Like `Collector.collect` for `step`, from the queue; first tops the queue up to step + k with `params`

@@ -32,8 +32,7 @@ def reshard(params, dtype):
 def resharder(rollout_exp: Experiment):
   """The one program that makes the engines' policy from the learner's: `reshard`, its outputs laid out as
   `rollout_exp`'s mesh lays out its parameters. Call it as `program(params, dtype=model_cfg.compute_dtype)`."""
-  layouts = jax.tree.map(lambda x: x.sharding, rollout_exp.abstract_params(adapters=True)[1])
-  return jax.jit(reshard, static_argnames="dtype", out_shardings=layouts)
+  return jax.jit(reshard, static_argnames="dtype", out_shardings=rollout_exp.policy_shardings())
 
 
 class ResharedCollector:

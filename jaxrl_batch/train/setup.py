@@ -136,6 +136,12 @@ class Experiment:
     RL trains, with config.lora's adapters (the base without them when config.lora is off)."""
     return sharding.abstract_sharded(self._module_fn(0, adapters), self.mesh, self.config.sharding_rules)
 
+  def policy_shardings(self):
+    """The shardings of the policy's parameters (with config.lora's adapters) on this mesh: its sharding rules
+    applied to it. Generation on a mesh of its own reads the policy so (`train.decode_layout`, `train.async_collector`):
+    the learner's partition specs need not split over its axes (2 kv heads over tensor 4)."""
+    return jax.tree.map(lambda x: x.sharding, self.abstract_params(adapters=True)[1])
+
   def trainable_params(self) -> int:
     """Parameters the update trains: the whole policy's, or with config.lora its adapters' (counted abstractly)."""
     return sum(x.size for x in jax.tree.leaves(lora_lib.trainable(self.abstract_params(adapters=True)[1])))
